@@ -1,0 +1,1 @@
+"""Helpers shared by the stages: typed params, atomic writes, camera conventions, logging."""

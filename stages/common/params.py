@@ -1,0 +1,144 @@
+"""Typed params: one dataclass per section of ``params.yaml``, unknown keys rejected.
+
+Each stage declares its section as a (possibly nested) dataclass and loads it with
+:func:`load_section`. Values are checked against the field's annotation (``bool`` is
+never taken for an ``int``, an ``int`` is accepted where a ``float`` is asked for) and
+ranges are checked in the dataclass's ``__post_init__`` through :func:`check`. Every
+error is a :class:`ParamsError` (a ``ValueError``) whose message names the full key,
+for example ``reconstruct.nerf.lr: must be > 0, got -1``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+import yaml
+
+T = TypeVar("T")
+
+DEFAULT_PARAMS = Path("params.yaml")
+
+
+class ParamsError(ValueError):
+    """A params value that is missing, unknown, of the wrong type or out of range."""
+
+
+def check(condition: bool, key: str, message: str, value: Any) -> None:
+    """Raise :class:`ParamsError` naming ``key`` unless ``condition`` holds.
+
+    ``key`` is the field's name; :func:`from_dict` prefixes the section path.
+    """
+    if not condition:
+        raise ParamsError(f"{key}: {message}, got {value!r}")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, where)
+            except ParamsError as exc:
+                errors.append(str(exc))
+        raise ParamsError(f"{where}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ParamsError(f"{where}: must be one of {', '.join(repr(a) for a in args)}, got {value!r}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ParamsError(f"{where}: expected a list, got {value!r}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ParamsError(f"{where}: expected {len(args)} values, got {len(value)}")
+            return tuple(_coerce(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        item = args[0] if args else Any
+        out = [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(out) if origin is tuple else out
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ParamsError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ParamsError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ParamsError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ParamsError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ParamsError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"{where}: unsupported annotation {tp!r} in the params schema")
+
+
+def from_dict(cls: type[T], data: Any, where: str) -> T:
+    """Build dataclass ``cls`` from a mapping, naming ``where`` in every error."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ParamsError(f"{where}: expected a mapping of keys, got {data!r}")
+    known = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        names = ", ".join(f"{where}.{k}" for k in unknown)
+        raise ParamsError(f"unknown params key(s) {names}; known keys in {where}: {', '.join(sorted(known))}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name in known:
+        if name in data:
+            kwargs[name] = _coerce(hints[name], data[name], f"{where}.{name}")
+        elif known[name].default is dataclasses.MISSING and known[name].default_factory is dataclasses.MISSING:
+            raise ParamsError(f"{where}.{name}: required key is missing")
+    try:
+        return cls(**kwargs)
+    except ParamsError as exc:
+        msg = str(exc)
+        raise ParamsError(msg if msg.startswith(where + ".") else f"{where}.{msg}") from None
+
+
+def read_yaml(path: str | Path = DEFAULT_PARAMS) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ParamsError(f"params file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ParamsError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ParamsError(f"{path}: expected a mapping of sections at the top level")
+    return data
+
+
+def load_section(cls: type[T], section: str, path: str | Path = DEFAULT_PARAMS, data: dict | None = None) -> T:
+    """Load and validate one section of params.yaml as dataclass ``cls``."""
+    data = read_yaml(path) if data is None else data
+    return from_dict(cls, data.get(section, {}), section)
+
+
+def to_dict(obj: Any) -> dict:
+    """The resolved params as plain YAML/JSON types (to save beside outputs)."""
+    return dataclasses.asdict(obj)

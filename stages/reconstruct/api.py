@@ -1,0 +1,53 @@
+"""Loading a trained model for rendering (used by the evaluate stage and by users).
+
+Example:
+    >>> model = load_trained("data/reconstruct")
+    >>> img = model.render(intr, c2w_cv)          # [H, W, 3] float32 in [0, 1], on the CPU
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from stages.common.cameras import Intrinsics
+from stages.common.params import from_dict
+
+from . import MODEL_FORMAT, pick_device
+from .config import ReconstructParams
+from .train import build_method
+
+
+class TrainedModel:
+    """A trained method ready to render views of the normalized scene frame."""
+
+    def __init__(self, method, device: torch.device):
+        self._method = method
+        self.method = method.name
+        self.device = device
+        self.num_params = method.num_params
+
+    @torch.no_grad()
+    def render(self, intr: Intrinsics, c2w_cv: np.ndarray, chunk_rays: int = 8192) -> torch.Tensor:
+        c2w = torch.as_tensor(np.asarray(c2w_cv), dtype=torch.float32)
+        return self._method.render_image(intr, c2w, chunk_rays).float().cpu()
+
+
+def load_trained(model_dir: str | Path, device: str = "auto") -> TrainedModel:
+    """Load ``<model_dir>/model.pt`` written by the reconstruct stage."""
+    path = Path(model_dir) / "model.pt"
+    if not path.is_file():
+        raise ValueError(f"no trained model at {path}; run the reconstruct stage first")
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a truncated or foreign file: say which
+        raise ValueError(f"{path}: not a readable model file ({exc})") from None
+    if not isinstance(blob, dict) or blob.get("format") != MODEL_FORMAT:
+        raise ValueError(f"{path}: not a {MODEL_FORMAT} file")
+    params = from_dict(ReconstructParams, blob["config"], "reconstruct")
+    params.nerf.use_kernels = "auto"  # render with kernels where they run, whatever trained it
+    dev = pick_device(device)
+    method = build_method(params, blob["aabb"], dev)
+    method.load_state_dict(blob["state"])
+    return TrainedModel(method, dev)

@@ -1,0 +1,118 @@
+"""The hash-grid NeRF as a trainable method: model, optimizer, one training step, rendering.
+
+The training loop (``stages/reconstruct/train.py``) only sees this interface, so a
+second method (3D Gaussian Splatting) slots in beside it with the same five members:
+``train_step``, ``render_image``, ``state_dict``, ``load_state_dict``, ``num_params``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from stages.common.cameras import Intrinsics
+
+from ..config import NerfParams, ReconstructParams
+from ..data import image_rays
+from .field import NerfField
+from .occupancy import OccupancyGrid
+from .render import render_rays
+
+
+def resolve_use_kernels(setting: str, device: torch.device) -> bool:
+    """Whether the hash encoding runs the CUDA kernel: ``auto`` means on a GPU when possible."""
+    import kernels
+
+    if setting == "off":
+        return False
+    can = device.type == "cuda" and kernels.available()
+    if setting == "on" and not can:
+        raise ValueError("reconstruct.nerf.use_kernels is 'on' but CUDA kernels cannot run here "
+                         f"(device {device}, kernels.available()={kernels.available()})")
+    return can
+
+
+class NerfMethod:
+    """Hash-grid NeRF with an occupancy grid, trained with Adam on random rays."""
+
+    name = "nerf"
+
+    def __init__(self, params: ReconstructParams, aabb: torch.Tensor, device: torch.device):
+        cfg: NerfParams = params.nerf
+        self.cfg = cfg
+        self.params = params
+        self.device = device
+        self.use_kernels = resolve_use_kernels(cfg.use_kernels, device)
+        self.field = NerfField(cfg, aabb, use_kernels=self.use_kernels).to(device)
+        self.grid = OccupancyGrid(aabb, cfg.occ_resolution, cfg.occ_threshold).to(device)
+        extent = (aabb[1] - aabb[0]).norm().item()
+        self.step_size = extent / cfg.samples_per_ray
+        # instant-ngp: Adam(0.9, 0.99, eps=1e-15); weight decay on the MLPs only.
+        enc = list(self.field.encoding.parameters())
+        enc_ids = {id(p) for p in enc}
+        mlp = [p for p in self.field.parameters() if id(p) not in enc_ids]
+        self.optimizer = torch.optim.Adam(
+            [{"params": enc, "weight_decay": 0.0}, {"params": mlp, "weight_decay": cfg.weight_decay}],
+            lr=cfg.lr, betas=(0.9, 0.99), eps=1e-15,
+        )
+        steps = params.steps
+        warmup = min(100, max(1, steps // 10))
+        decay = math.log(cfg.lr_final / cfg.lr)
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            return math.exp(decay * min(1.0, (step - warmup) / max(1, steps - warmup)))
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.field.parameters())
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.field.parameters())
+
+    def step_pre_forward(self, step: int, generator: torch.Generator) -> float | None:
+        """Refresh the occupancy grid every ``occ_update_every`` steps; all cells during
+        the first 256 steps, a quarter of them afterwards (instant-ngp)."""
+        if step % self.cfg.occ_update_every != 0:
+            return None
+        return self.grid.update(
+            self.field.density, self.step_size, generator=generator, fraction=1.0 if step < 256 else 0.25
+        )
+
+    def loss(self, o, d, rgb, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+        out = render_rays(
+            self.field, self.grid, o, d, self.step_size, self.cfg.samples_per_ray,
+            near=self.cfg.near, perturb=True, generator=generator,
+        )
+        mse = torch.nn.functional.mse_loss(out["rgb"], rgb)
+        return mse, {"mse": mse.detach(), "num_samples": out["num_samples"]}
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    @torch.no_grad()
+    def render_rays(self, o: torch.Tensor, d: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+        outs = []
+        for i in range(0, o.shape[0], chunk):
+            r = render_rays(self.field, self.grid, o[i : i + chunk], d[i : i + chunk], self.step_size,
+                            self.cfg.samples_per_ray, near=self.cfg.near)
+            outs.append(r["rgb"])
+        return torch.cat(outs).clamp(0, 1)
+
+    @torch.no_grad()
+    def render_image(self, intr: Intrinsics, c2w: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+        """Render one view: [H, W, 3] float32 in [0, 1] on the method's device."""
+        o, d = image_rays(intr, c2w.float(), self.device)
+        return self.render_rays(o, d, chunk).view(intr.height, intr.width, 3)
+
+    def state_dict(self) -> dict:
+        return {"field": self.field.state_dict(), "grid": self.grid.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.field.load_state_dict(state["field"])
+        self.grid.load_state_dict(state["grid"])

@@ -1,0 +1,65 @@
+"""Occupancy grid for empty-space skipping (instant-ngp §4, nerfacc's OccGridEstimator).
+
+A cube of ``resolution**3`` cells over the scene box keeps an exponential moving
+maximum of the density seen at random points in each cell; samples that fall in cells
+whose opacity over one march step is below a threshold are skipped before the network
+is evaluated. State lives in registered buffers so it is saved with the model.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+class OccupancyGrid(nn.Module):
+    def __init__(self, aabb: torch.Tensor, resolution: int = 64, threshold: float = 0.01, decay: float = 0.95):
+        super().__init__()
+        self.resolution = resolution
+        self.threshold = threshold
+        self.decay = decay
+        self.register_buffer("aabb", aabb.clone().float())
+        # Start fully occupied: nothing is skipped until the field has been seen.
+        self.register_buffer("density", torch.full((resolution**3,), 1e4))
+        self.register_buffer("mask", torch.ones(resolution**3, dtype=torch.bool))
+
+    def cell_index(self, x: torch.Tensor) -> torch.Tensor:
+        """Flat cell index [N] of world points [N, 3] (clamped into the grid)."""
+        r = self.resolution
+        xn = (x - self.aabb[0]) / (self.aabb[1] - self.aabb[0])
+        ijk = (xn * r).long().clamp(0, r - 1)
+        return (ijk[:, 0] * r + ijk[:, 1]) * r + ijk[:, 2]
+
+    def occupied(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mask[self.cell_index(x)]
+
+    @torch.no_grad()
+    def update(
+        self,
+        density_fn: Callable[[torch.Tensor], torch.Tensor],
+        step_size: float,
+        generator: torch.Generator | None = None,
+        fraction: float = 1.0,
+        chunk: int = 65536,
+    ) -> float:
+        """Refresh a random ``fraction`` of the cells from ``density_fn`` at jittered
+        points in them; returns the occupied fraction of the grid."""
+        r = self.resolution
+        n = r**3
+        dev = self.density.device
+        if fraction < 1.0:
+            cells = torch.randperm(n, generator=generator, device=generator.device if generator else "cpu")
+            cells = cells[: max(1, int(n * fraction))].to(dev)
+        else:
+            cells = torch.arange(n, device=dev)
+        ijk = torch.stack([cells // (r * r), (cells // r) % r, cells % r], dim=-1).float()
+        jitter = torch.rand(ijk.shape, generator=generator, device=generator.device if generator else "cpu").to(dev)
+        x = self.aabb[0] + (ijk + jitter) / r * (self.aabb[1] - self.aabb[0])
+        new = torch.cat([density_fn(x[i : i + chunk]).float() for i in range(0, len(x), chunk)])
+        self.density[cells] = torch.maximum(self.density[cells] * self.decay, new)
+        # Opacity of one march step; a cell is kept if it could stop light.
+        alpha = 1.0 - torch.exp(-self.density * step_size)
+        thresh = min(self.threshold, float(alpha.mean()))
+        self.mask = alpha > thresh
+        return float(self.mask.float().mean())

@@ -1,0 +1,222 @@
+"""The evaluate stage on a tiny fake poses folder with a fake model (no reconstruct needed)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from stages import evaluate
+from stages.common.cameras import Intrinsics, write_transforms
+from stages.common.metrics import psnr, ssim
+from stages.common.params import ParamsError, from_dict
+
+W, H = 32, 24
+
+
+def make_poses(root: Path, n: int = 4, test: list[str] | None = None, seed: int = 0) -> tuple[Intrinsics, dict]:
+    """``root/{images/, transforms.json, split.json}`` with ``n`` random-texture views.
+
+    Returns the intrinsics and ``{file name: uint8 image}``.
+    """
+    rng = np.random.default_rng(seed)
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    intr = Intrinsics(W, H, 30.0, 30.0, W / 2, H / 2)
+    names = [f"view_{i:03d}.png" for i in range(n)]
+    images, poses = {}, []
+    for i, name in enumerate(names):
+        # smooth-ish texture so a blur gives an SSIM clearly between 0 and 1
+        base = rng.random((H // 4, W // 4, 3))
+        img = np.clip(np.kron(base, np.ones((4, 4, 1))) * 255 + rng.normal(0, 8, (H, W, 3)), 0, 255).astype(np.uint8)
+        Image.fromarray(img).save(root / "images" / name)
+        images[name] = img
+        c2w = np.eye(4)
+        c2w[:3, 3] = [np.cos(i), np.sin(i), 0.3]  # distinct camera centres identify the views
+        poses.append(c2w)
+    write_transforms(root / "transforms.json", intr, [f"images/{n_}" for n_ in names], np.stack(poses))
+    if test is None:
+        test = names[::2]
+    split = {"train": [n_ for n_ in names if n_ not in test], "test": test}
+    (root / "split.json").write_text(json.dumps(split))
+    return intr, images
+
+
+def make_model_dir(root: Path, weights: bool = True) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    summary = {"method": "nerf", "device": "cpu", "gpu_name": None, "gpu_count": 0, "world_size": 1,
+               "steps": 10, "train_time_s": 1.5, "peak_gpu_memory_bytes": None, "num_params": 1234,
+               "samples_per_s": 1e5, "torch_version": torch.__version__, "params": {"method": "nerf"}}
+    (root / "summary.json").write_text(json.dumps(summary))
+    if weights:
+        (root / "model.pt").write_bytes(b"not read by these tests")
+    return root
+
+
+class FakeModel:
+    """The ``TrainedModel`` interface: renders a 3x3 box blur of the GT image seen from the camera."""
+
+    method = "nerf"
+    num_params = 1234
+    device = torch.device("cpu")
+
+    def __init__(self, poses_dir: Path, shift: float = 0.0):
+        from stages.common.cameras import read_transforms
+
+        _, files, c2w, _ = read_transforms(poses_dir / "transforms.json")
+        self.views = [(m, np.array(Image.open(poses_dir / f).convert("RGB"))) for f, m in zip(files, c2w)]
+        self.shift = shift
+        self.calls = 0
+
+    def expected(self, img_u8: np.ndarray) -> torch.Tensor:
+        x = torch.from_numpy(img_u8).float().permute(2, 0, 1)[None] / 255.0
+        x = torch.nn.functional.avg_pool2d(x, 3, stride=1, padding=1, count_include_pad=False)
+        return (x[0].permute(1, 2, 0) + self.shift).clamp(0, 1)
+
+    def render(self, intr: Intrinsics, c2w_cv: np.ndarray, chunk_rays: int) -> torch.Tensor:
+        assert chunk_rays >= 256 and c2w_cv.shape == (4, 4)
+        self.calls += 1
+        img = min(self.views, key=lambda v: np.abs(v[0] - c2w_cv).sum())[1]
+        assert img.shape == (intr.height, intr.width, 3)
+        return self.expected(img)
+
+
+@pytest.fixture()
+def setup(tmp_path):
+    poses = tmp_path / "poses"
+    _, images = make_poses(poses)
+    model_dir = make_model_dir(tmp_path / "reconstruct")
+    params_yaml = tmp_path / "params.yaml"
+    params_yaml.write_text("reconstruct:\n  steps: 10\nevaluate:\n  chunk_rays: 1024\nreport:\n  max_views: 2\n")
+    return tmp_path, poses, model_dir, images, params_yaml
+
+
+def _run(tmp_path, poses, model_dir, model, params_yaml=None, **kw):
+    return evaluate.run(evaluate.EvaluateParams(chunk_rays=1024), poses, model_dir, tmp_path / "evaluate",
+                        tmp_path / "metrics" / "evaluate.json", model=model, params_path=params_yaml, **kw)
+
+
+def test_evaluate_scores_renders_and_writes_outs(setup):
+    tmp_path, poses, model_dir, images, params_yaml = setup
+    model = FakeModel(poses)
+    m = _run(tmp_path, poses, model_dir, model, params_yaml)
+
+    out = tmp_path / "evaluate"
+    per_view = json.loads((out / "per_view.json").read_text())
+    assert [r["file"] for r in per_view] == ["view_000.png", "view_002.png"]
+    assert model.calls == 3  # one warm-up + one per test view
+    for row in per_view:
+        gt = torch.from_numpy(images[row["file"]]).float() / 255
+        pred = model.expected(images[row["file"]])
+        assert row["psnr"] == pytest.approx(psnr(pred, gt), abs=1e-9)
+        assert row["ssim"] == pytest.approx(ssim(pred, gt), abs=1e-9)
+        assert 10 < row["psnr"] < 40 and 0.1 < row["ssim"] < 0.99 and row["render_time_s"] >= 0
+        png = Image.open(out / "renders" / row["file"])
+        assert png.mode == "RGB" and png.size == (W, H)
+        # 8-bit render within half a level of the float render
+        assert np.abs(np.asarray(png) / 255.0 - pred.numpy()).max() <= 0.5 / 255 + 1e-6
+
+    written = json.loads((tmp_path / "metrics" / "evaluate.json").read_text())
+    assert written == json.loads(json.dumps(m))
+    for key in ("psnr", "psnr_std", "ssim", "ssim_std", "lpips", "lpips_note", "fps", "num_test_views", "width",
+                "height", "train_time_s", "peak_gpu_memory_bytes", "num_params", "method", "device", "gpu_name",
+                "gpu_count", "world_size", "environment"):
+        assert key in m, key
+    assert m["psnr"] == pytest.approx(np.mean([r["psnr"] for r in per_view]))
+    assert m["psnr_std"] == pytest.approx(np.std([r["psnr"] for r in per_view], ddof=1))
+    assert m["ssim"] == pytest.approx(np.mean([r["ssim"] for r in per_view]))
+    assert m["lpips"] is None and m["lpips_note"] == "not computed: no LPIPS weights configured"
+    assert m["fps"] > 0 and (m["num_test_views"], m["width"], m["height"]) == (2, W, H)
+    assert (m["num_params"], m["method"], m["train_time_s"], m["world_size"]) == (1234, "nerf", 1.5, 1)
+    env = m["environment"]
+    for key in ("torch_version", "python_version", "platform", "code_revision", "code_dirty", "params_sha256"):
+        assert key in env, key
+    assert env["torch_version"] == torch.__version__
+    assert len(env["params_sha256"]) == 64
+
+
+def test_params_hash_covers_reconstruct_and_evaluate_only(tmp_path):
+    a, b, c = tmp_path / "a.yaml", tmp_path / "b.yaml", tmp_path / "c.yaml"
+    a.write_text("reconstruct: {steps: 10}\nevaluate: {chunk_rays: 1024}\nreport: {max_views: 2}\n")
+    b.write_text("report: {max_views: 5}\nevaluate: {chunk_rays: 1024}\nreconstruct: {steps: 10}\n")
+    c.write_text("reconstruct: {steps: 11}\nevaluate: {chunk_rays: 1024}\n")
+    assert evaluate.params_sha256(a) == evaluate.params_sha256(b) != evaluate.params_sha256(c)
+    assert evaluate.params_sha256(tmp_path / "absent.yaml") is None
+
+
+def test_params_schema():
+    assert from_dict(evaluate.EvaluateParams, {}, "evaluate").chunk_rays == 8192
+    with pytest.raises(ParamsError, match="evaluate.chunk_rays: must be >= 256"):
+        from_dict(evaluate.EvaluateParams, {"chunk_rays": 16}, "evaluate")
+    with pytest.raises(ParamsError, match="evaluate.chunk_ray"):
+        from_dict(evaluate.EvaluateParams, {"chunk_ray": 1024}, "evaluate")
+
+
+def test_missing_split(setup):
+    tmp_path, poses, model_dir, _, _ = setup
+    (poses / "split.json").unlink()
+    with pytest.raises(ValueError, match="split.json: missing"):
+        _run(tmp_path, poses, model_dir, FakeModel(poses))
+
+
+def test_empty_test_split(setup):
+    tmp_path, poses, model_dir, _, _ = setup
+    (poses / "split.json").write_text(json.dumps({"train": ["view_000.png"], "test": []}))
+    with pytest.raises(ValueError, match="no test views"):
+        _run(tmp_path, poses, model_dir, FakeModel(poses))
+
+
+def test_unknown_test_view(setup):
+    tmp_path, poses, model_dir, _, _ = setup
+    (poses / "split.json").write_text(json.dumps({"train": [], "test": ["nope.png"]}))
+    with pytest.raises(ValueError, match="'nope.png' has no camera"):
+        _run(tmp_path, poses, model_dir, FakeModel(poses))
+
+
+def test_wrong_image_size(setup):
+    tmp_path, poses, model_dir, _, _ = setup
+    model = FakeModel(poses)
+    Image.new("RGB", (W + 2, H)).save(poses / "images" / "view_002.png")
+    with pytest.raises(ValueError, match=rf"view_002.png: ground-truth image is {W + 2}x{H} but the camera"):
+        _run(tmp_path, poses, model_dir, model)
+    assert model.calls == 0  # checked before any render
+    assert not (tmp_path / "evaluate").exists()
+
+
+@pytest.mark.parametrize("what", ["folder", "model.pt", "summary.json"])
+def test_missing_model(setup, what):
+    tmp_path, poses, model_dir, _, _ = setup
+    if what == "folder":
+        model_dir = tmp_path / "absent"
+        match = "model folder not found"
+    else:
+        (model_dir / what).unlink()
+        match = f"missing model file\\(s\\) {what}"
+    with pytest.raises(ValueError, match=match):
+        _run(tmp_path, poses, model_dir, None)  # model=None: loads from model_dir, which is checked first
+
+
+def test_bad_render_shape(setup):
+    tmp_path, poses, model_dir, _, _ = setup
+
+    class Wrong(FakeModel):
+        def render(self, intr, c2w_cv, chunk_rays):
+            return torch.zeros(intr.height, intr.width, 4)
+
+    with pytest.raises(ValueError, match=r"model rendered \(24, 32, 4\)"):
+        _run(tmp_path, poses, model_dir, Wrong(poses))
+
+
+def test_main_reports_errors_and_exit_code(setup, capsys):
+    tmp_path, poses, model_dir, _, params_yaml = setup
+    (poses / "split.json").unlink()
+    rc = evaluate.main(["--poses", str(poses), "--model", str(model_dir), "--out", str(tmp_path / "ev"),
+                        "--metrics", str(tmp_path / "m.json"), "--params", str(params_yaml)])
+    assert rc == 1
+    assert "evaluate: error:" in capsys.readouterr().err
+    params_yaml.write_text("evaluate:\n  chunk_rays: 1024\n  typo: 1\n")
+    rc = evaluate.main(["--poses", str(poses), "--model", str(model_dir), "--out", str(tmp_path / "ev"),
+                        "--metrics", str(tmp_path / "m.json"), "--params", str(params_yaml)])
+    assert rc == 1 and "evaluate.typo" in capsys.readouterr().err
