@@ -1,0 +1,35 @@
+"""CUDA kernels compiled at first use with NVRTC (cuda-python), each with a pure-PyTorch twin.
+
+``import kernels`` needs no GPU, driver or toolkit: nothing is compiled or loaded until a kernel is
+first launched on CUDA tensors. On CPU tensors (or where :func:`available` is False) the PyTorch
+references run instead.
+
+Pieces: ``csrc/*.cu`` (CUDA C++), :mod:`kernels.loader` (NVRTC compile + disk cache, no device
+needed), :mod:`kernels._driver` (module load and launch on PyTorch's stream), one module per op
+(:mod:`kernels.hashgrid`) and the references (:mod:`kernels._reference`).
+"""
+
+from ._driver import CudaDriverError, KernelProgram, available, unavailable_reason
+from ._reference import hash_encode_reference
+from .hashgrid import HashGrid, grid_resolutions, hash_encode
+from .loader import KernelCompileError
+
+__all__ = [
+    "CudaDriverError",
+    "HashGrid",
+    "KernelCompileError",
+    "KernelProgram",
+    "available",
+    "default_programs",
+    "grid_resolutions",
+    "hash_encode",
+    "hash_encode_reference",
+    "unavailable_reason",
+]
+
+
+def default_programs() -> list[KernelProgram]:
+    """Every kernel program the ops compile with their default settings (benchmark and CI use it)."""
+    from . import hashgrid
+
+    return [*hashgrid.default_programs()]

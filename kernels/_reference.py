@@ -1,0 +1,84 @@
+"""Pure-PyTorch references of the kernels in ``csrc/``: same signatures, same arithmetic.
+
+These run wherever PyTorch runs (the CPU path, and the yardstick the CUDA kernels are tested against).
+They favour plain, vectorised tensor code over speed; autograd differentiates them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+# instant-ngp's spatial hash primes (Mueller et al. 2022, Eq. 4; pi_1 = 1 keeps x coherent in memory).
+HASH_PRIMES = (1, 2654435761, 805459861)
+_U32 = 0xFFFFFFFF
+# Corner c of a cell: bit 0 -> +x, bit 1 -> +y, bit 2 -> +z (the kernel's order).
+_CORNER_BITS = [[(c >> d) & 1 for d in range(3)] for c in range(8)]
+
+
+def _as_int_list(resolutions: torch.Tensor | Sequence[int]) -> list[int]:
+    if isinstance(resolutions, torch.Tensor):
+        return [int(r) for r in resolutions.tolist()]
+    return [int(r) for r in resolutions]
+
+
+def grid_index(corners: torch.Tensor, resolution: int, table_size: int) -> torch.Tensor:
+    """Table row of integer grid corners at one level.
+
+    Args:
+        corners: [..., 3] int64 corners in [0, resolution].
+        resolution: R of the level.
+        table_size: T, rows of the level's table.
+
+    Returns:
+        [...] int64 in [0, T): dense ``x + y (R+1) + z (R+1)^2`` when (R+1)^3 <= T, else the spatial hash
+        ``(x * 1 ^ y * 2654435761 ^ z * 805459861) mod T`` in uint32 arithmetic.
+    """
+    x, y, z = corners.unbind(-1)
+    r1 = resolution + 1
+    if r1**3 <= table_size:
+        return x + y * r1 + z * (r1 * r1)
+    # Products fit in int64 (corners < 2^31, primes < 2^32); masking each to 32 bits then XOR is
+    # the same as XOR then mask, which is what uint32 wrap-around gives.
+    h = (x * HASH_PRIMES[0]) ^ ((y * HASH_PRIMES[1]) & _U32) ^ ((z * HASH_PRIMES[2]) & _U32)
+    return (h & _U32) % table_size
+
+
+def hash_encode_reference(points: torch.Tensor, table: torch.Tensor,
+                          resolutions: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """Multi-resolution hash encoding in plain PyTorch (the CUDA kernel's reference).
+
+    Args:
+        points: [N, 3] positions in [0, 1] (clamped; NaN is read as 0, like the kernel).
+        table: [L, T, F] features, float16, float32 or float64.
+        resolutions: [L] grid resolution per level (int tensor or list of ints).
+
+    Returns:
+        [N, L * F] level-major features (``out[:, l * F + f]``), float32 for float16/float32 tables
+        (float64 for float64 ones). A float16 table is read as float32 before interpolation, so its
+        gradient is summed in float32 and cast once, as the kernel does. Differentiable in ``table``
+        and in ``points`` (the CUDA path returns no gradient for ``points``).
+    """
+    res = _as_int_list(resolutions)
+    num_levels, table_size, _ = table.shape
+    if len(res) != num_levels:
+        raise ValueError(f"resolutions has {len(res)} entries but table has {num_levels} levels")
+    dtype = torch.promote_types(torch.promote_types(table.dtype, torch.float32), points.dtype)
+    x = torch.nan_to_num(points.to(dtype), nan=0.0).clamp(0.0, 1.0)
+    bits = torch.tensor(_CORNER_BITS, device=points.device)  # [8, 3]
+    upper = bits.bool()
+    outs = []
+    for level, r in enumerate(res):
+        r = max(r, 1)
+        pos = x * r  # [N, 3]
+        cell = torch.floor(pos).clamp(max=r - 1)
+        frac = pos - cell
+        corners = cell.long()[:, None, :] + bits  # [N, 8, 3]
+        f = frac[:, None, :].expand(-1, 8, -1)
+        w3 = torch.where(upper, f, 1 - f)  # [N, 8, 3]: frac or 1 - frac per axis
+        weights = w3[..., 0] * w3[..., 1] * w3[..., 2]  # [N, 8], (wx * wy) * wz like the kernel
+        rows = grid_index(corners, r, table_size)  # [N, 8]
+        feats = table[level].to(dtype)[rows]  # [N, 8, F]
+        outs.append((weights[..., None] * feats).sum(dim=1))
+    return torch.cat(outs, dim=1)

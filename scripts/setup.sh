@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One-time set-up, run by `make` before anything else: system library, virtualenv, pinned install.
+# Idempotent; re-run it after pyproject.toml changes (make does that for you).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# open3d (and open3d-cpu) load libusb-1.0.so.0 at import time.
+if ! ldconfig -p 2>/dev/null | grep -q 'libusb-1.0.so.0'; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "setup: installing libusb-1.0-0 (needed by open3d)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libusb-1.0-0 >/dev/null
+  elif command -v sudo >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing libusb-1.0-0 (needed by open3d) with sudo"
+    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libusb-1.0-0 >/dev/null
+  else
+    echo "setup: open3d needs the system library libusb-1.0.so.0." >&2
+    echo "       Install it (Debian/Ubuntu: apt-get install libusb-1.0-0; Fedora: dnf install libusb1) and re-run." >&2
+    exit 1
+  fi
+fi
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($PYTHON --version)"
+  "$PYTHON" -m venv .venv
+fi
+echo "setup: installing the project and its pinned dependencies into .venv (a few minutes the first time)"
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[dev]'
+.venv/bin/python -c "import torch, open3d, pycolmap, prefect, dvc, kornia, cuda.bindings" \
+  || { echo "setup: an installed package fails to import (see above)" >&2; exit 1; }
+touch .venv/.installed
+echo "setup: done"
