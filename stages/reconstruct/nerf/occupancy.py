@@ -20,8 +20,9 @@ class OccupancyGrid(nn.Module):
         self.threshold = threshold
         self.decay = decay
         self.register_buffer("aabb", aabb.clone().float())
-        # Start fully occupied: nothing is skipped until the field has been seen.
-        self.register_buffer("density", torch.full((resolution**3,), 1e4))
+        # Nothing is skipped until the first update has seen the field (the mask starts
+        # full); the density record starts empty so the first update alone decides.
+        self.register_buffer("density", torch.zeros(resolution**3))
         self.register_buffer("mask", torch.ones(resolution**3, dtype=torch.bool))
 
     def cell_index(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,462 @@
+"""Camera poses from the photos: COLMAP structure from motion (pycolmap, CPU).
+
+Reads ``<ingest>/manifest.json`` and ``<ingest>/images/*.png`` and writes ``<out>/``:
+
+* ``images/``: the registered images, pinhole (undistorted when the SfM camera model has
+  distortion),
+* ``sparse/0/``: the COLMAP binary model of those images, in the SfM's own frame,
+* ``transforms.json``: nerfstudio / instant-ngp cameras in the normalized frame (camera
+  centres' mean at the origin, farthest camera at 1, mean up along +z) with the extra keys
+  ``normalization`` (SfM world -> this frame), ``aabb`` and ``camera_model``,
+* ``points3D.ply``: the sparse points with colours, normalized frame,
+* ``split.json``: every ``test_every``-th registered image (sorted by name) is a test view,
+
+and the metrics file (registration, reprojection error, track length, step times and, when
+``<ingest>/ground_truth.json`` exists, the pose error after a similarity alignment).
+
+Determinism: images enter the database one by one in sorted-name order before extraction, so
+image ids never depend on thread timing; SIFT on the CPU is deterministic per image (extraction
+stays multi-threaded); matching and mapping run on one thread each; every RANSAC (two-view
+verification, mapper, triangulator) is seeded from ``seed``. Identical inputs, params and library
+versions gave bit-identical models in repeated runs.
+
+Usage::
+
+    python -m stages.poses --ingest data/ingest --out data/poses --metrics data/metrics/poses.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from .common import cameras as C
+from .common import params as P
+from .common.io import atomic_dir, atomic_write_json, remove
+from .common.log import setup
+
+log = logging.getLogger("stages.poses")
+
+PINHOLE_MODELS = ("SIMPLE_PINHOLE", "PINHOLE")  # no distortion: images are copied as they are
+NOT_IMPLEMENTED_SOURCES = ("colmap", "transforms", "llff")
+
+
+@dataclass(frozen=True)
+class PosesParams:
+    """``poses`` section of params.yaml."""
+
+    source: Literal["sfm", "colmap", "transforms", "llff"] = "sfm"
+    camera_model: Literal["SIMPLE_PINHOLE", "PINHOLE", "SIMPLE_RADIAL", "OPENCV"] = "PINHOLE"
+    max_features: int = 8192
+    matcher: Literal["exhaustive", "sequential"] = "exhaustive"
+    # sequential matcher: each image is matched with the next `sequential_overlap` ones (linear,
+    # not quadratic, overlap); keep it >= the views per orbit ring so a ring closes its loop.
+    sequential_overlap: int = 20
+    test_every: int = 8
+    min_registered_fraction: float = 0.8
+    align_up: bool = True
+
+    def __post_init__(self) -> None:
+        P.check(self.source not in NOT_IMPLEMENTED_SOURCES, "source",
+                "not implemented yet (only 'sfm' is available for now)", self.source)
+        P.check(self.max_features >= 256, "max_features", "must be >= 256", self.max_features)
+        P.check(self.sequential_overlap >= 1, "sequential_overlap", "must be >= 1", self.sequential_overlap)
+        P.check(self.test_every >= 2, "test_every", "must be >= 2", self.test_every)
+        P.check(0.0 < self.min_registered_fraction <= 1.0, "min_registered_fraction",
+                "must be in (0, 1]", self.min_registered_fraction)
+
+
+def load_seed(path: str | Path = P.DEFAULT_PARAMS, data: dict | None = None) -> int:
+    """The top-level ``seed`` of params.yaml (0 when absent)."""
+    data = P.read_yaml(path) if data is None else data
+    seed = data.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise P.ParamsError(f"seed: expected an integer >= 0, got {seed!r}")
+    return seed
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def read_ingest(ingest_dir: Path) -> tuple[list[str], dict | None]:
+    """Image names (relative to ``<ingest>/images``, sorted) and the ground truth, if any."""
+    manifest_path = ingest_dir / "manifest.json"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        entries = manifest["images"]
+        files = [str(e["file"]) for e in entries]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(f"{manifest_path}: cannot read the ingest manifest ({exc!r})") from None
+    names = []
+    for f in files:
+        p = Path(f)
+        if p.parent != Path("images"):
+            raise ValueError(f"{manifest_path}: image {f!r} is not directly under images/")
+        if not (ingest_dir / p).is_file():
+            raise ValueError(f"{manifest_path}: lists {f!r} but {ingest_dir / p} does not exist")
+        names.append(p.name)
+    if len(set(names)) != len(names):
+        raise ValueError(f"{manifest_path}: duplicate image names")
+    if len(names) < 3:
+        raise ValueError(f"{manifest_path}: structure from motion needs at least 3 images, got {len(names)}")
+    sizes = {(e.get("width"), e.get("height")) for e in entries}
+    if len(sizes) > 1:
+        raise ValueError(f"{manifest_path}: images have different sizes {sorted(sizes, key=str)}; "
+                         "the SfM uses one shared camera, so all images must have one size")
+    gt = None
+    gt_path = ingest_dir / "ground_truth.json"
+    if gt_path.is_file():
+        try:
+            gt = json.loads(gt_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{gt_path}: cannot read ground truth ({exc})") from None
+    return sorted(names), gt
+
+
+# ---------------------------------------------------------------- COLMAP steps
+
+
+def _import_sorted(pycolmap, db_path: Path, image_dir: Path, names: list[str], camera_model: str) -> None:
+    """Create the database and add every image (one shared camera) in sorted-name order, so
+    image ids are 1..N in that order whatever the extraction threads do later."""
+    pycolmap.Database.open(db_path).close()
+    reader = pycolmap.ImageReaderOptions()
+    reader.camera_model = camera_model
+    pycolmap.import_images(db_path, image_dir, camera_mode=pycolmap.CameraMode.SINGLE,
+                           image_names=names, options=reader)
+    db = pycolmap.Database.open(db_path)
+    try:
+        got = sorted((img.image_id, img.name) for img in db.read_all_images())
+    finally:
+        db.close()
+    if [n for _, n in got] != names:
+        raise RuntimeError(f"image import did not keep the sorted order: {got[:5]}...")
+
+
+def extract(pycolmap, db_path: Path, image_dir: Path, names: list[str], p: PosesParams) -> None:
+    _import_sorted(pycolmap, db_path, image_dir, names, p.camera_model)
+    reader = pycolmap.ImageReaderOptions()
+    reader.camera_model = p.camera_model
+    opts = pycolmap.FeatureExtractionOptions()
+    opts.use_gpu = False
+    opts.sift.max_num_features = p.max_features
+    pycolmap.extract_features(db_path, image_dir, image_names=names, camera_mode=pycolmap.CameraMode.SINGLE,
+                              reader_options=reader, extraction_options=opts, device=pycolmap.Device.cpu)
+
+
+def match(pycolmap, db_path: Path, p: PosesParams, seed: int) -> None:
+    matching = pycolmap.FeatureMatchingOptions()
+    matching.use_gpu = False
+    # One matching thread: with several, identical runs occasionally produced different raw
+    # SIFT matches (about 1 run in 40 under CPU load; the CPU matcher's faiss index and the
+    # bundled OpenBLAS were called from concurrent threads). Exact brute-force matching
+    # (sift.cpu_brute_force_matcher) would avoid faiss too but was ~10x slower here.
+    matching.num_threads = 1
+    verification = pycolmap.TwoViewGeometryOptions()
+    verification.ransac.random_seed = seed  # each RANSAC reseeds itself: independent of thread order
+    if p.matcher == "exhaustive":
+        pycolmap.match_exhaustive(db_path, matching_options=matching, verification_options=verification,
+                                  device=pycolmap.Device.cpu)
+    else:
+        pairing = pycolmap.SequentialPairingOptions()
+        pairing.overlap = p.sequential_overlap
+        pairing.quadratic_overlap = False  # measured: quadratic overlap left ring views unregistered
+        pairing.loop_detection = False  # needs a vocabulary tree we do not ship
+        pycolmap.match_sequential(db_path, matching_options=matching, pairing_options=pairing,
+                                  verification_options=verification, device=pycolmap.Device.cpu)
+
+
+def mapping_options(pycolmap, seed: int):
+    opts = pycolmap.IncrementalPipelineOptions()
+    opts.random_seed = seed  # propagated to the mapper's and triangulator's RANSACs
+    opts.num_threads = 1  # multi-threaded bundle adjustment sums in a run-dependent order
+    opts.extract_colors = True
+    return opts
+
+
+def incremental_map(pycolmap, db_path: Path, image_dir: Path, work: Path, seed: int) -> dict[int, Any]:
+    out = work / "sparse"
+    out.mkdir(parents=True, exist_ok=True)
+    return dict(pycolmap.incremental_mapping(db_path, image_dir, out, mapping_options(pycolmap, seed)))
+
+
+def unregistered_reasons(pycolmap, db_path: Path, names: list[str], registered: set[str],
+                         others: dict[str, int], min_num_matches: int) -> dict[str, str]:
+    """Why each image that is not in the kept model is missing, from what the database holds."""
+    db = pycolmap.Database.open(db_path)
+    try:
+        id_by_name = {img.name: img.image_id for img in db.read_all_images()}
+        keypoints = {i: db.num_keypoints_for_image(i) for i in id_by_name.values()}
+        pair_ids, geoms = db.read_two_view_geometries()
+    finally:
+        db.close()
+    verified: dict[int, list[int]] = {i: [] for i in id_by_name.values()}
+    for pid, g in zip(pair_ids, geoms):
+        n = len(g.inlier_matches)
+        if n >= min_num_matches:
+            a, b = pycolmap.pair_id_to_image_pair(pid)
+            verified[a].append(n)
+            verified[b].append(n)
+    reasons = {}
+    for name in names:
+        if name in registered:
+            continue
+        iid = id_by_name.get(name)
+        if iid is None:
+            reasons[name] = "could not be read into the database"
+        elif keypoints[iid] == 0:
+            reasons[name] = "no SIFT features (blank or unreadable image?)"
+        elif not verified[iid]:
+            reasons[name] = (f"{keypoints[iid]} features but no geometrically verified match "
+                             f"(>= {min_num_matches} inliers) with any other image")
+        elif name in others:
+            reasons[name] = f"registered only in a smaller separate model (#{others[name]})"
+        else:
+            reasons[name] = (f"{len(verified[iid])} verified pairs (best {max(verified[iid])} inliers) "
+                             "but the mapper could not register it")
+    return reasons
+
+
+def undistort(pycolmap, rec, image_dir: Path, work: Path):
+    """Undistort the registered images to a PINHOLE camera; returns (reconstruction, image folder)."""
+    src = work / "distorted"
+    src.mkdir()
+    rec.write(src)
+    dst = work / "undistorted"
+    pycolmap.undistort_images(dst, src, image_dir, output_type="COLMAP")
+    return pycolmap.Reconstruction(dst / "sparse"), dst / "images"
+
+
+# ---------------------------------------------------------------- outputs
+
+
+def robust_aabb(points: np.ndarray, fallback: np.ndarray, lo_pct: float = 2.0, hi_pct: float = 98.0,
+                pad: float = 0.1) -> np.ndarray:
+    """[2, 3] box of the 2nd-98th percentiles of ``points`` [N, 3], padded by ``pad`` of its extent
+    on each side; ``fallback`` [M, 3] points (the cameras) stand in when there are too few."""
+    pts = points if len(points) >= 8 else np.concatenate([points.reshape(-1, 3), fallback], 0)
+    lo, hi = np.percentile(pts, lo_pct, axis=0), np.percentile(pts, hi_pct, axis=0)
+    extent = np.maximum(hi - lo, 1e-3 * max(float((hi - lo).max()), 1e-3))
+    return np.stack([lo - pad * extent, hi + pad * extent])
+
+
+def write_ply(path: Path, xyz: np.ndarray, rgb_u8: np.ndarray) -> None:
+    import open3d as o3d
+
+    pcd = o3d.geometry.PointCloud()
+    pcd.points = o3d.utility.Vector3dVector(np.asarray(xyz, dtype=np.float64).reshape(-1, 3))
+    pcd.colors = o3d.utility.Vector3dVector(np.asarray(rgb_u8, dtype=np.float64).reshape(-1, 3) / 255.0)
+    if not o3d.io.write_point_cloud(str(path), pcd, write_ascii=False):
+        raise RuntimeError(f"open3d could not write {path}")
+
+
+def make_split(names: list[str], test_every: int) -> dict[str, list[str]]:
+    """Sorted names; index 0, test_every, 2 * test_every, ... are test views (llffhold)."""
+    names = sorted(names)
+    return {"train": [n for i, n in enumerate(names) if i % test_every != 0],
+            "test": [n for i, n in enumerate(names) if i % test_every == 0]}
+
+
+def ground_truth_errors(gt: dict, names: list[str], c2w: np.ndarray) -> dict[str, Any]:
+    """Pose error against ground_truth.json after a Sim(3) alignment of the camera centres."""
+    by_stem = {Path(str(f["file"])).stem: np.asarray(f["world_to_camera"], dtype=np.float64)
+               for f in gt.get("frames", [])}
+    idx = [i for i, n in enumerate(names) if Path(n).stem in by_stem]
+    if len(idx) < 3:
+        log.warning("ground truth: only %d registered images have a ground-truth pose; no pose error", len(idx))
+        return {}
+    gt_c2w = C.w2c_to_c2w(np.stack([by_stem[Path(names[i]).stem] for i in idx]))
+    radius = float(gt.get("scene", {}).get("radius", 1.0))
+    err = C.pose_errors(c2w[idx], gt_c2w, ref_scale=radius)
+    out = {k: err[k] for k in ("center_error_mean", "center_error_max",
+                               "rotation_error_mean_deg", "rotation_error_max_deg")}
+    out["gt_matched_images"] = len(idx)
+    out["gt_scene_radius"] = radius
+    return out
+
+
+def _intrinsics(camera) -> C.Intrinsics:
+    return C.Intrinsics(int(camera.width), int(camera.height), float(camera.focal_length_x),
+                        float(camera.focal_length_y), float(camera.principal_point_x),
+                        float(camera.principal_point_y))
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def run(params: PosesParams, ingest_dir: str | Path, out_dir: str | Path, metrics_path: str | Path,
+        seed: int = 0) -> dict:
+    """Run SfM on the ingested images and write the outs; returns the metrics."""
+    import pycolmap
+
+    if params.source != "sfm":  # the schema rejects the others; keep the guard next to the work
+        raise ValueError(f"poses.source: {params.source!r} is not implemented yet")
+    ingest_dir, out_dir, metrics_path = Path(ingest_dir), Path(out_dir), Path(metrics_path)
+    image_dir = ingest_dir / "images"
+    names, gt = read_ingest(ingest_dir)
+    remove(metrics_path)  # a failed run must not leave the previous run's numbers behind
+    if log.getEffectiveLevel() > logging.DEBUG:
+        pycolmap.logging.minloglevel = 1  # COLMAP's per-image INFO lines only at DEBUG
+    t_start = time.perf_counter()
+    times: dict[str, float] = {}
+    log.info("poses: %d images from %s, camera %s, %s matching, up to %d features", len(names), ingest_dir,
+             params.camera_model, params.matcher, params.max_features)
+
+    with tempfile.TemporaryDirectory(prefix="rayforge-poses-") as tmp, atomic_dir(out_dir) as out:
+        work = Path(tmp)
+        db_path = work / "database.db"
+
+        t = time.perf_counter()
+        extract(pycolmap, db_path, image_dir, names, params)
+        times["extract"] = time.perf_counter() - t
+        log.info("extract: %.1f s", times["extract"])
+
+        t = time.perf_counter()
+        match(pycolmap, db_path, params, seed)
+        times["match"] = time.perf_counter() - t
+        log.info("match (%s): %.1f s", params.matcher, times["match"])
+
+        t = time.perf_counter()
+        models = incremental_map(pycolmap, db_path, image_dir, work, seed)
+        times["map"] = time.perf_counter() - t
+        log.info("map: %.1f s, %d model(s): %s", times["map"], len(models),
+                 ", ".join(f"#{k}: {r.num_reg_images()} images" for k, r in sorted(models.items())) or "none")
+
+        if models:
+            key = min(models, key=lambda k: (-models[k].num_reg_images(), -models[k].num_points3D(), k))
+            rec = models[key]
+        else:
+            key, rec = None, None
+        registered = {rec.image(i).name for i in rec.reg_image_ids()} if rec is not None else set()
+        others = {}
+        for k, r in sorted(models.items()):
+            if k != key:
+                for i in r.reg_image_ids():
+                    others.setdefault(r.image(i).name, k)
+        other_models = [{"model": k, "num_registered": r.num_reg_images(), "num_points": r.num_points3D()}
+                        for k, r in sorted(models.items()) if k != key]
+        if other_models:
+            log.warning("kept model #%s; %d smaller model(s) dropped: %s", key, len(other_models), other_models)
+        reasons = unregistered_reasons(pycolmap, db_path, names, registered, others,
+                                       mapping_options(pycolmap, seed).min_num_matches)
+        for name, why in reasons.items():
+            log.warning("not registered: %s: %s", name, why)
+        fraction = len(registered) / len(names)
+        if fraction < params.min_registered_fraction:
+            shown = "; ".join(f"{n}: {w}" for n, w in list(reasons.items())[:10])
+            more = f" (and {len(reasons) - 10} more)" if len(reasons) > 10 else ""
+            hints = ["photos with more overlap and texture"]
+            if params.camera_model not in PINHOLE_MODELS:
+                hints.append("camera_model: PINHOLE (distortion parameters need many points to be estimated)")
+            if params.matcher == "sequential":
+                hints.append("matcher: exhaustive")
+            hints.append("a lower poses.min_registered_fraction")
+            raise ValueError(
+                f"SfM registered {len(registered)} of {len(names)} images ({fraction:.0%}), below "
+                f"poses.min_registered_fraction={params.min_registered_fraction}. Unregistered: {shown}{more}. "
+                f"Try {'; or '.join(hints)}.")
+
+        # -- images and the COLMAP model (undistorted to PINHOLE when the model has distortion)
+        t = time.perf_counter()
+        if params.camera_model in PINHOLE_MODELS:
+            src_images = image_dir
+            out_rec = rec
+        else:
+            out_rec, src_images = undistort(pycolmap, rec, image_dir, work)
+            times["undistort"] = time.perf_counter() - t
+            log.info("undistort: %.1f s", times["undistort"])
+        (out / "images").mkdir()
+        reg_names = sorted(registered)
+        for n in reg_names:
+            shutil.copy2(src_images / n, out / "images" / n)
+        (out / "sparse" / "0").mkdir(parents=True)
+        out_rec.write(out / "sparse" / "0")
+
+        # -- cameras and points in the normalized frame
+        by_name = {out_rec.image(i).name: out_rec.image(i) for i in out_rec.reg_image_ids()}
+        cam_ids = {by_name[n].camera_id for n in reg_names}
+        if len(cam_ids) != 1:
+            raise RuntimeError(f"expected one shared camera, the model has {sorted(cam_ids)}")
+        intr = _intrinsics(out_rec.camera(cam_ids.pop()))
+        w2c = np.stack([np.vstack([by_name[n].cam_from_world().matrix(), [0, 0, 0, 1]]) for n in reg_names])
+        c2w = C.w2c_to_c2w(w2c)
+        S = C.normalization_transform(c2w, params.align_up)
+        c2w_n = C.apply_similarity_to_c2w(S, c2w)
+        pts = out_rec.points3D
+        point_ids = sorted(out_rec.point3D_ids())  # a stable order for the PLY
+        xyz = np.array([pts[i].xyz for i in point_ids], dtype=np.float64).reshape(-1, 3)
+        rgb = np.array([pts[i].color for i in point_ids], dtype=np.uint8).reshape(-1, 3)
+        xyz_n = C.apply_similarity_to_points(S, xyz)
+        aabb = robust_aabb(xyz_n, c2w_n[:, :3, 3])
+        C.write_transforms(out / "transforms.json", intr, [f"images/{n}" for n in reg_names], c2w_n, extra={
+            "camera_model": "PINHOLE",  # what the images in images/ are
+            "sfm_camera_model": params.camera_model,
+            "normalization": S.tolist(),
+            "aabb": aabb.tolist(),
+        })
+        write_ply(out / "points3D.ply", xyz_n, rgb)
+        split = make_split(reg_names, params.test_every)
+        atomic_write_json(out / "split.json", split)
+
+        metrics: dict[str, Any] = {
+            "num_images": len(names),
+            "num_registered": len(registered),
+            "registered_fraction": fraction,
+            "num_points": int(rec.num_points3D()),
+            "mean_reprojection_error_px": float(rec.compute_mean_reprojection_error()),
+            "mean_track_length": float(rec.compute_mean_track_length()),
+            "num_train": len(split["train"]),
+            "num_test": len(split["test"]),
+        }
+        if gt is not None:
+            metrics.update(ground_truth_errors(gt, reg_names, c2w))
+            gi = gt.get("intrinsics", {})
+            if gi.get("fx") and gi.get("width"):
+                f_gt = float(gi["fx"]) * intr.width / float(gi["width"])
+                cam = rec.camera(next(iter(rec.cameras)))
+                metrics["focal_error_rel"] = abs(float(cam.focal_length_x) * intr.width / cam.width - f_gt) / f_gt
+        metrics["unregistered"] = [{"file": n, "reason": w} for n, w in reasons.items()]
+        metrics["other_models"] = other_models
+        times["total"] = time.perf_counter() - t_start
+        metrics["time_s"] = {k: round(v, 3) for k, v in times.items()}
+    atomic_write_json(metrics_path, metrics)
+    log.info("poses: %d/%d registered, %d points, reprojection %.2f px, track %.1f, %.1f s -> %s",
+             len(registered), len(names), metrics["num_points"], metrics["mean_reprojection_error_px"],
+             metrics["mean_track_length"], times["total"], out_dir)
+    if "center_error_mean" in metrics:
+        log.info("pose error vs ground truth: centre mean %.4f / max %.4f of the scene radius, "
+                 "rotation mean %.3f / max %.3f deg", metrics["center_error_mean"], metrics["center_error_max"],
+                 metrics["rotation_error_mean_deg"], metrics["rotation_error_max_deg"])
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m stages.poses", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ingest", required=True, help="the ingest stage's out folder")
+    ap.add_argument("--out", required=True, help="this stage's out folder (replaced)")
+    ap.add_argument("--metrics", required=True, help="metrics JSON file to write")
+    ap.add_argument("--params", default=str(P.DEFAULT_PARAMS), help="params.yaml (section 'poses', key 'seed')")
+    args = ap.parse_args(argv)
+    setup("stages.poses")
+    try:
+        data = P.read_yaml(args.params)
+        params = P.load_section(PosesParams, "poses", data=data)
+        seed = load_seed(data=data)
+        run(params, args.ingest, args.out, args.metrics, seed=seed)
+    except ValueError as exc:  # ParamsError included: a message the user can act on, no traceback
+        print(f"poses: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

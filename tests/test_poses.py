@@ -1,0 +1,256 @@
+"""The poses stage: pycolmap SfM on a small generated scene with known cameras."""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from stages import poses
+from stages.common import cameras as C
+from stages.common import params as P
+
+QUIET = logging.getLogger("test.poses.quiet")
+QUIET.setLevel(logging.WARNING)
+
+
+def _make_ingest(root: Path) -> tuple[Path, str]:
+    """A 16-view, 2-ring scene in the ingest layout; the project's scene + ingest stages when they
+    are there, else the tests' own ray-cast scene."""
+    try:
+        from stages.ingest import IngestParams
+        from stages.ingest import run as ingest_run
+        from stages.scene import SceneParams
+        from stages.scene import run as scene_run
+    except ImportError:
+        import _synthetic
+
+        _synthetic.make_ingest(root / "ingest", views=16, rings=2, width=200, height=150)
+        return root / "ingest", "tests/_synthetic.py"
+    # 240x180 rather than 200x150: at 200x150 the default scene's worst camera is ~2.5% of the
+    # radius off, too close to the 2% bound below for a test that must not flake.
+    scene_run(SceneParams(width=240, height=180, views=16, rings=2), root / "scene", 0, log=QUIET)
+    ingest_run(IngestParams(), root / "scene" / "images", root / "ingest", log=QUIET)
+    return root / "ingest", "stages.scene"
+
+
+@pytest.fixture(scope="module")
+def ingest(tmp_path_factory) -> Path:
+    path, _ = _make_ingest(tmp_path_factory.mktemp("poses_scene"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def sfm(ingest, tmp_path_factory):
+    """One SfM run with the default params, shared by the checks of its outs."""
+    root = tmp_path_factory.mktemp("poses_out")
+    metrics = poses.run(poses.PosesParams(), ingest, root / "poses", root / "metrics" / "poses.json", seed=0)
+    return root / "poses", root / "metrics" / "poses.json", metrics
+
+
+@pytest.mark.slow
+def test_sfm_registers_every_view_with_small_pose_error(sfm):
+    _, metrics_path, m = sfm
+    assert m["num_images"] == 16
+    assert m["num_registered"] == 16 and m["registered_fraction"] == 1.0
+    assert m["unregistered"] == [] and m["other_models"] == []
+    assert m["num_points"] > 100
+    assert 0 < m["mean_reprojection_error_px"] < 1.0
+    assert m["mean_track_length"] > 2.0
+    assert m["gt_matched_images"] == 16
+    # bounds from the task: centres within 2% of the scene radius, orientations within 1 degree
+    assert m["center_error_max"] < 0.02, m
+    assert m["rotation_error_max_deg"] < 1.0, m
+    assert m["focal_error_rel"] < 0.02, m
+    assert set(m["time_s"]) >= {"extract", "match", "map", "total"}
+    assert json.loads(metrics_path.read_text()) == json.loads(json.dumps(m))
+
+
+@pytest.mark.slow
+def test_sfm_writes_every_out(sfm, ingest):
+    import open3d as o3d
+    import pycolmap
+
+    out, _, m = sfm
+    assert sorted(p.name for p in out.iterdir()) == ["images", "points3D.ply", "sparse", "split.json",
+                                                      "transforms.json"]
+    names = sorted(p.name for p in (ingest / "images").glob("*.png"))
+    assert sorted(p.name for p in (out / "images").iterdir()) == names
+    assert (out / "images" / names[0]).read_bytes() == (ingest / "images" / names[0]).read_bytes()
+
+    rec = pycolmap.Reconstruction(out / "sparse" / "0")
+    assert rec.num_reg_images() == 16 and rec.num_points3D() == m["num_points"]
+    assert {c.model_name for c in rec.cameras.values()} == {"PINHOLE"}
+
+    intr, files, c2w, doc = C.read_transforms(out / "transforms.json")
+    assert files == [f"images/{n}" for n in names]
+    w, h = Image.open(ingest / "images" / names[0]).size
+    assert (intr.width, intr.height) == (w, h)
+    assert doc["camera_model"] == "PINHOLE" and doc["sfm_camera_model"] == "PINHOLE"
+    centres = c2w[:, :3, 3]
+    np.testing.assert_allclose(centres.mean(axis=0), 0, atol=1e-9)
+    assert np.linalg.norm(centres, axis=1).max() == pytest.approx(1.0)
+    up = -c2w[:, :3, 1].mean(axis=0)
+    np.testing.assert_allclose(up / np.linalg.norm(up), [0, 0, 1], atol=1e-9)
+    # the normalization maps the SfM model's cameras onto transforms.json's
+    S = np.array(doc["normalization"])
+    by_name = {rec.image(i).name: rec.image(i) for i in rec.reg_image_ids()}
+    w2c0 = np.vstack([by_name[names[0]].cam_from_world().matrix(), [0, 0, 0, 1]])
+    np.testing.assert_allclose(C.apply_similarity_to_c2w(S, C.w2c_to_c2w(w2c0)), c2w[0], atol=1e-9)
+    # the box holds most of the points, which sit among (below) the cameras
+    aabb = np.array(doc["aabb"])
+    pcd = o3d.io.read_point_cloud(str(out / "points3D.ply"))
+    pts = np.asarray(pcd.points)
+    assert len(pts) == m["num_points"] and pcd.has_colors()
+    inside = np.all((pts >= aabb[0]) & (pts <= aabb[1]), axis=1)
+    assert inside.mean() > 0.9
+    assert np.all(aabb[1] > aabb[0]) and np.all(np.abs(aabb) < 2.0)
+
+    split = json.loads((out / "split.json").read_text())
+    assert split == {"test": [names[i] for i in (0, 8)], "train": [n for i, n in enumerate(names) if i % 8]}
+
+
+@pytest.mark.slow
+def test_rerun_is_deterministic_and_undistorts_radial(ingest, tmp_path):
+    """Same inputs, params and seed -> the same model; SIMPLE_RADIAL + sequential matching path:
+    the images are undistorted and the written camera is PINHOLE."""
+    p = poses.PosesParams(camera_model="SIMPLE_RADIAL", matcher="sequential", sequential_overlap=16)
+    runs = [poses.run(p, ingest, tmp_path / f"out{i}", tmp_path / f"m{i}.json", seed=3) for i in (0, 1)]
+    for r in runs:
+        assert r["num_registered"] == 16 and "undistort" in r["time_s"]
+        assert r["center_error_max"] < 0.03 and r["rotation_error_max_deg"] < 1.0, r
+    a, b = (json.loads((tmp_path / f"out{i}" / "transforms.json").read_text()) for i in (0, 1))
+    assert a == b
+    for f in ("images.bin", "points3D.bin", "cameras.bin"):
+        assert (tmp_path / "out0/sparse/0" / f).read_bytes() == (tmp_path / "out1/sparse/0" / f).read_bytes()
+    assert a["camera_model"] == "PINHOLE" and a["sfm_camera_model"] == "SIMPLE_RADIAL"
+    import pycolmap
+
+    rec = pycolmap.Reconstruction(tmp_path / "out0" / "sparse" / "0")
+    cam = next(iter(rec.cameras.values()))
+    assert cam.model_name == "PINHOLE"
+    img = Image.open(tmp_path / "out0" / "images" / "view_000.png")
+    assert img.size == (cam.width, cam.height) == (a["w"], a["h"])
+
+
+def _junk_ingest(ingest: Path, dst: Path) -> list[str]:
+    """``ingest`` plus three images SfM cannot register: a blank one and two of pure noise."""
+    shutil.copytree(ingest, dst)
+    manifest = json.loads((dst / "manifest.json").read_text())
+    w, h = Image.open(next((dst / "images").glob("*.png"))).size
+    rng = np.random.default_rng(0)
+    junk = ["zz_blank.png", "zz_noise_0.png", "zz_noise_1.png"]
+    Image.new("RGB", (w, h), (128, 128, 128)).save(dst / "images" / junk[0])
+    for n in junk[1:]:  # blocky noise: features, but nothing another view could match
+        blocks = rng.integers(0, 256, (h // 6 + 1, w // 6 + 1, 3), dtype=np.uint8)
+        Image.fromarray(blocks.repeat(6, 0).repeat(6, 1)[:h, :w]).save(dst / "images" / n)
+    manifest["images"] += [{"file": f"images/{n}", "source": n, "width": w, "height": h} for n in junk]
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    return junk
+
+
+@pytest.mark.slow
+def test_too_few_registered_raises_and_leaves_no_out(ingest, tmp_path):
+    junk = _junk_ingest(ingest, tmp_path / "ingest")
+    out, metrics = tmp_path / "poses", tmp_path / "poses.json"
+    out.mkdir()
+    (out / "stale.txt").write_text("from an earlier run")
+    metrics.write_text("{}")
+    with pytest.raises(ValueError, match=r"registered 16 of 19 images") as exc:
+        poses.run(poses.PosesParams(min_registered_fraction=0.9), tmp_path / "ingest", out, metrics)
+    msg = str(exc.value)
+    assert all(n in msg for n in junk)
+    assert "zz_blank.png: no SIFT features" in msg
+    assert "min_registered_fraction" in msg
+    assert not out.exists() and not metrics.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".poses")], "temporary out left behind"
+
+
+def test_no_model_at_all_raises(tmp_path):
+    ing = tmp_path / "ingest"
+    (ing / "images").mkdir(parents=True)
+    rng = np.random.default_rng(1)
+    entries = []
+    for i in range(4):
+        Image.fromarray(rng.integers(0, 256, (60, 80, 3), dtype=np.uint8)).save(ing / "images" / f"n{i}.png")
+        entries.append({"file": f"images/n{i}.png", "source": f"n{i}.png", "width": 80, "height": 60})
+    (ing / "manifest.json").write_text(json.dumps({"images": entries, "skipped": []}))
+    with pytest.raises(ValueError, match="registered 0 of 4"):
+        poses.run(poses.PosesParams(max_features=512), ing, tmp_path / "out", tmp_path / "m.json")
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_ingest_is_a_clear_error(tmp_path, capsys):
+    rc = poses.main(["--ingest", str(tmp_path / "missing"), "--out", str(tmp_path / "out"),
+                     "--metrics", str(tmp_path / "m.json"), "--params", str(_params_file(tmp_path, {}))])
+    err = capsys.readouterr().err
+    assert rc == 1 and "manifest" in err and "Traceback" not in err
+
+
+def _params_file(tmp_path: Path, poses_section: dict) -> Path:
+    import yaml
+
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump({"seed": 0, "poses": poses_section}))
+    return path
+
+
+def test_params_file_section_loads():
+    p = P.load_section(poses.PosesParams, "poses", Path(__file__).resolve().parents[1] / "params.yaml")
+    assert p.source == "sfm" and p.test_every == 8
+
+
+def test_unknown_params_key_rejected(tmp_path, capsys):
+    with pytest.raises(P.ParamsError, match=r"poses\.max_feature\b"):
+        P.load_section(poses.PosesParams, "poses", data={"poses": {"max_feature": 1000}})
+    rc = poses.main(["--ingest", str(tmp_path), "--out", str(tmp_path / "out"), "--metrics", str(tmp_path / "m.json"),
+                     "--params", str(_params_file(tmp_path, {"matchr": "exhaustive"}))])
+    err = capsys.readouterr().err
+    assert rc == 1 and "poses.matchr" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("section, key", [
+    ({"max_features": 100}, "poses.max_features"),
+    ({"test_every": 1}, "poses.test_every"),
+    ({"min_registered_fraction": 0.0}, "poses.min_registered_fraction"),
+    ({"min_registered_fraction": 1.5}, "poses.min_registered_fraction"),
+    ({"camera_model": "FISHEYE"}, "poses.camera_model"),
+    ({"matcher": "vocabtree"}, "poses.matcher"),
+    ({"align_up": 1}, "poses.align_up"),
+])
+def test_params_ranges(section, key):
+    with pytest.raises(P.ParamsError, match=key.replace(".", r"\.")):
+        P.load_section(poses.PosesParams, "poses", data={"poses": section})
+
+
+@pytest.mark.parametrize("source", ["colmap", "transforms", "llff"])
+def test_other_sources_not_implemented_yet(source):
+    with pytest.raises(ValueError, match="poses.source: not implemented yet"):
+        P.load_section(poses.PosesParams, "poses", data={"poses": {"source": source}})
+
+
+def test_seed_is_checked():
+    assert poses.load_seed(data={"seed": 7}) == 7
+    assert poses.load_seed(data={}) == 0
+    with pytest.raises(P.ParamsError, match="seed"):
+        poses.load_seed(data={"seed": True})
+
+
+def test_split_every_nth_sorted_name():
+    names = [f"view_{i:03d}.png" for i in range(17)][::-1]
+    split = poses.make_split(names, 8)
+    assert split["test"] == ["view_000.png", "view_008.png", "view_016.png"]
+    assert len(split["train"]) == 14 and split["train"] == sorted(split["train"])
+    assert not set(split["train"]) & set(split["test"])
+
+
+def test_robust_aabb_ignores_outliers_and_pads():
+    rng = np.random.default_rng(0)
+    pts = np.concatenate([rng.uniform(-1, 1, (1000, 3)), [[50.0, 50.0, 50.0], [-40.0, 0, 0]]])
+    box = poses.robust_aabb(pts, np.zeros((1, 3)))
+    assert np.all(box[1] < 1.5) and np.all(box[0] > -1.5)
+    assert np.all(box[1] > 1.0) and np.all(box[0] < -1.0)  # padded past the 2nd-98th percentiles
