@@ -3,14 +3,18 @@
 ``python -m stages.reconstruct --poses data/poses --out data/reconstruct`` trains the
 method named by ``reconstruct.method`` (the hash-grid NeRF today; 3DGS has a place
 beside it in ``train.build_method``) on the GPU when one is present, else the CPU.
+With more than one process (``reconstruct.distributed``: several GPUs, several hosts,
+or ``cpu_workers``) the command re-launches itself under torchrun, one worker per GPU;
+see ``docs/distributed.md``.
 
-Outs (``--out``): ``model.pt`` (weights + resolved config, loadable with
-``torch.load(weights_only=True)``), ``checkpoint.pt`` (model + optimizer state + step),
-``summary.json``; metrics (``--metrics``) and the training curve (``--plots``).
+Outs (``--out``, written by rank 0 alone): ``model.pt`` (weights + resolved config,
+loadable with ``torch.load(weights_only=True)``), ``checkpoint.pt`` (model + optimizer
+state + step), ``summary.json``; metrics (``--metrics``) and the training curve
+(``--plots``). While training, checkpoints go to ``<out>.ckpt/`` beside the out (or
+``--checkpoint-dir``); a rerun resumes from them, and success removes them.
 """
 from __future__ import annotations
 
-import json
 import logging
 import platform
 from pathlib import Path
@@ -20,8 +24,10 @@ import torch
 from stages.common.io import atomic_dir, atomic_torch_save, atomic_write_json, atomic_write_text
 from stages.common.params import to_dict
 
-from .config import ReconstructParams
+from .checkpoint import CheckpointStore, default_dir
+from .config import DistributedParams, ReconstructParams
 from .data import load_scene
+from .distributed import DistContext
 from .train import train
 
 log = logging.getLogger("stages.reconstruct")
@@ -47,21 +53,45 @@ def run(
     plots_path: str | Path | None = None,
     seed: int = 0,
     progress: bool = True,
+    *,
+    ctx: DistContext | None = None,
+    checkpoint_dir: str | Path | None = None,
 ) -> dict:
-    """Train on ``poses_dir`` and write the outs; returns the summary dict."""
-    device = pick_device(params.device)
+    """Train on ``poses_dir`` and write the outs (rank 0); returns the summary dict.
+
+    Args:
+        ctx: this worker's place in the group (``distributed.init_from_env``); None trains
+            in this process alone.
+        checkpoint_dir: training checkpoints (default ``<out_dir>.ckpt``); resumed from
+            when present, removed on success. ``reconstruct.distributed.checkpoint_every: 0``
+            turns checkpoints off.
+    """
+    ctx = ctx or DistContext(device=pick_device(params.device))
+    device = ctx.device
     scene = load_scene(poses_dir)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    result = train(params, scene, device, seed, progress=progress)
+    dp = params.distributed
+    store = CheckpointStore(checkpoint_dir or default_dir(out_dir)) if dp.checkpoint_every > 0 else None
+    metrics = None
+    if ctx.is_main and dp.metrics_port:
+        from .telemetry import MetricsServer
+
+        metrics = MetricsServer(dp.metrics_port, dp.metrics_addr, ctx.world_size, ctx.restart_count, params.steps)
+    try:
+        result = train(params, scene, device, seed, progress=progress, ctx=ctx, checkpoints=store, metrics=metrics)
+    finally:
+        if metrics is not None:
+            metrics.close()
     method = result.method
     config = to_dict(params)
+    comm = result.step_comm_s
     summary = {
         "method": params.method,
         "device": device.type,
         "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "gpu_count": 1 if device.type == "cuda" else 0,
-        "world_size": 1,
+        "gpu_count": ctx.world_size if device.type == "cuda" else 0,
+        "world_size": ctx.world_size,
         "steps": params.steps,
         "train_time_s": round(result.train_time_s, 3),
         "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
@@ -74,25 +104,43 @@ def run(
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
         "seed": seed,
+        "global_batch_rays": params.batch_rays * ctx.world_size,
+        "lr_scale": result.lr_scale,
+        "step_compute_s": None if result.step_compute_s is None else round(result.step_compute_s, 6),
+        "step_comm_s": None if comm is None else round(comm, 6),
+        "comm_fraction": None if comm is None else round(comm / max(comm + result.step_compute_s, 1e-12), 4),
+        "per_rank": [{"rank": r, "samples_per_s": round(v[0]), "step_compute_s": round(v[2], 6),
+                      "step_comm_s": round(v[3], 6)} for r, v in enumerate(result.per_rank)],
+        "resumed_from_step": result.resumed_from_step,
+        "restarts": ctx.restart_count,
         "params": config,
     }
-    state = method.state_dict()
-    model = {"format": MODEL_FORMAT, "method": params.method, "config": config, "aabb": scene.aabb, "state": state}
-    with atomic_dir(out_dir) as tmp:
-        torch.save(model, tmp / "model.pt")
-        torch.save(
-            {**model, "optimizer": method.optimizer.state_dict(), "step": params.steps},
-            tmp / "checkpoint.pt",
-        )
-        atomic_write_json(tmp / "summary.json", summary)
-    if plots_path:
-        atomic_write_text(plots_path, result.csv_text())
-    if metrics_path:
-        atomic_write_json(metrics_path, {k: summary[k] for k in (
-            "method", "device", "gpu_name", "steps", "train_time_s", "samples_per_s", "rays_per_s",
-            "num_params", "peak_gpu_memory_bytes", "final_train_psnr", "final_test_psnr_sampled")})
-    log.info("wrote %s (%.1f s of training, %d parameters)", out_dir, result.train_time_s, method.num_params)
+    if ctx.is_main:
+        state = method.state_dict()
+        model = {"format": MODEL_FORMAT, "method": params.method, "config": config, "aabb": scene.aabb,
+                 "state": state}
+        with atomic_dir(out_dir) as tmp:
+            torch.save(model, tmp / "model.pt")
+            torch.save(
+                {**model, "optimizer": method.optimizer.state_dict(), "step": params.steps},
+                tmp / "checkpoint.pt",
+            )
+            atomic_write_json(tmp / "summary.json", summary)
+        if plots_path:
+            atomic_write_text(plots_path, result.csv_text())
+        if metrics_path:
+            atomic_write_json(metrics_path, {k: summary[k] for k in (
+                "method", "device", "gpu_name", "world_size", "steps", "train_time_s", "samples_per_s", "rays_per_s",
+                "num_params", "peak_gpu_memory_bytes", "final_train_psnr", "final_test_psnr_sampled")})
+        if store is not None:
+            store.remove()  # the outs are complete: nothing left to resume
+        log.info("wrote %s (%.1f s of training, %d parameters, %d process(es))", out_dir, result.train_time_s,
+                 method.num_params, ctx.world_size)
+    if ctx.active:
+        import torch.distributed as dist
+
+        dist.barrier()  # no rank reports success before rank 0 has written the outs
     return summary
 
 
-__all__ = ["run", "ReconstructParams", "MODEL_FORMAT", "pick_device", "atomic_torch_save"]
+__all__ = ["run", "ReconstructParams", "DistributedParams", "MODEL_FORMAT", "pick_device", "atomic_torch_save"]

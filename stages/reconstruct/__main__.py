@@ -1,23 +1,55 @@
-"""``python -m stages.reconstruct``: see the package docstring."""
+"""``python -m stages.reconstruct``: see the package docstring and docs/distributed.md.
+
+One entry point for every role: started plainly it checks the params and either trains
+in-process (a world of one) or re-launches itself under torchrun; started by torchrun
+(``RANK``/``WORLD_SIZE``/... in the environment) it is a worker and trains.
+"""
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from stages.common import log as logsetup
-from stages.common.params import ParamsError, load_section, read_yaml
+from stages.common.params import ParamsError, load_section, read_yaml, to_dict
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m stages.reconstruct", description=__doc__)
     ap.add_argument("--poses", required=True, help="the poses stage's out folder")
     ap.add_argument("--out", required=True, help="out folder for the model")
     ap.add_argument("--metrics", help="metrics JSON to write")
     ap.add_argument("--plots", help="training-curve CSV to write")
     ap.add_argument("--params", default="params.yaml")
-    args = ap.parse_args(argv)
+    ap.add_argument("--checkpoint-dir", help="training checkpoints (default: <out>.ckpt beside --out); "
+                    "must be on a filesystem every host sees")
+    ap.add_argument("--write-slurm", metavar="FILE", help="write a SLURM batch script that runs this "
+                    "command on reconstruct.distributed.nodes hosts, then exit without training")
+    ap.add_argument("--node-rank", type=int, help="this host's place when reconstruct.distributed.nodes > 1 "
+                    "(0 hosts the rendezvous)")
+    ap.add_argument("--launch", choices=("auto", "torchrun", "inline"), default="auto",
+                    help="auto: torchrun when the world has more than one process; torchrun: always "
+                    "(benchmarks); inline: never")
+    return ap
+
+
+def _stage_args(args: argparse.Namespace, checkpoint_dir: str) -> list[str]:
+    """The arguments a worker gets: the paths, never the launcher's own options."""
+    out = ["--poses", args.poses, "--out", args.out, "--params", args.params, "--checkpoint-dir", checkpoint_dir]
+    if args.metrics:
+        out += ["--metrics", args.metrics]
+    if args.plots:
+        out += ["--plots", args.plots]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     log = logsetup.setup("stages.reconstruct")
     from . import ReconstructParams, run
+    from . import distributed as D
+    from . import launch as L
+    from .checkpoint import CheckpointStore, Expectation, default_dir
 
     try:
         data = read_yaml(args.params)
@@ -25,9 +57,47 @@ def main(argv: list[str] | None = None) -> int:
         seed = data.get("seed", 0)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ParamsError(f"seed: expected an integer, got {seed!r}")
-        run(params, args.poses, args.out, args.metrics, args.plots, seed=seed)
+        ckpt_dir = args.checkpoint_dir or str(default_dir(args.out))
+
+        if D.under_torchrun():  # a worker
+            ctx = D.init_from_env(params.device)
+            try:
+                run(params, args.poses, args.out, args.metrics, args.plots, seed=seed, ctx=ctx,
+                    checkpoint_dir=ckpt_dir, progress=ctx.is_main)
+            finally:
+                D.shutdown()
+            return 0
+
+        if args.write_slurm:
+            L.write_slurm(args.write_slurm, params, _stage_args(args, str(Path(ckpt_dir).resolve())))
+            log.info("wrote %s: submit it with `sbatch %s`", args.write_slurm, args.write_slurm)
+            return 0
+
+        p = L.plan(params)
+        if args.launch == "inline" and p.world_size > 1:
+            raise ValueError(f"--launch inline but the params ask for {p.world_size} processes")
+        poses = Path(args.poses)
+        for name in ("transforms.json", "split.json"):
+            if not (poses / name).is_file():
+                raise ValueError(f"{poses}: missing {name}; run the poses stage first")
+        if params.distributed.checkpoint_every and args.node_rank in (None, 0):
+            # a checkpoint of another run fails here, before any worker starts
+            CheckpointStore(ckpt_dir).load_latest(
+                Expectation(params.method, to_dict(params), seed, p.world_size))
+        if p.needs_torchrun or args.launch == "torchrun":
+            if p.nodes > 1 and args.node_rank is None:
+                log.info("nodes=%d: this host's rank is assigned at the rendezvous (--node-rank pins it)", p.nodes)
+            cmd = L.torchrun_command(p, params, _stage_args(args, ckpt_dir), node_rank=args.node_rank,
+                                     rdzv_id=L.rendezvous_id(args.out, params.distributed.rdzv_endpoint))
+            rc = L.run_torchrun(cmd, params, log)
+            if rc != 0:
+                log.error("torchrun exited with status %d (see the workers' errors above)", rc)
+            return rc
+        run(params, args.poses, args.out, args.metrics, args.plots, seed=seed, checkpoint_dir=ckpt_dir)
     except ValueError as exc:
         log.error("%s", exc)
+        if D.under_torchrun():
+            raise  # torchrun shows it as `[rankN]: ValueError: ...`, which the flows read as bad input
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

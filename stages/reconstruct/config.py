@@ -49,6 +49,47 @@ class NerfParams:
 
 
 @dataclass
+class DistributedParams:
+    """Scale-out of training (``reconstruct.distributed``); see docs/distributed.md.
+
+    World size = processes per node x ``nodes``; processes per node are ``gpus`` on a
+    GPU host (one per GPU, NCCL) and ``cpu_workers`` on a CPU (gloo). A world of one
+    process trains in-process, without torchrun. ``batch_rays`` is per process: the
+    global batch is ``batch_rays * world_size``.
+    """
+
+    gpus: Literal["auto"] | int = "auto"  # auto: every visible GPU; N: the first N of them
+    nodes: int = 1
+    rdzv_endpoint: str = ""  # host:port of torchrun's c10d rendezvous; "" = standalone (or the SLURM head node)
+    rdzv_timeout_s: int = 120  # how long hosts wait for each other at the rendezvous
+    cpu_workers: int = 1  # gloo processes when training on the CPU (tests); 1 = plain single process
+    micro_batches: int = 1  # gradient accumulation: batch_rays split in this many, one all-reduce
+    lr_scaling: Literal["sqrt", "linear", "none"] = "sqrt"  # learning rate x f(world_size)
+    grad_sync: Literal["dense", "sparse", "auto"] = "dense"  # all-reduce of the gradients
+    checkpoint_every: int = 500  # steps; 0 = never
+    max_restarts: int = 3  # torchrun restarts of the whole worker group after a failure
+    replica_check_every: int = 100  # steps between checksum comparisons; 0 = at checkpoints and the end only
+    metrics_port: int = 0  # Prometheus endpoint on rank 0; 0 = off
+    metrics_addr: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if self.gpus != "auto":
+            check(self.gpus >= 1, "gpus", "must be 'auto' or >= 1", self.gpus)
+        check(self.nodes >= 1, "nodes", "must be >= 1", self.nodes)
+        if self.rdzv_endpoint:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            check(bool(host) and port.isdigit() and 0 < int(port) < 65536, "rdzv_endpoint",
+                  "must be host:port", self.rdzv_endpoint)
+        check(self.rdzv_timeout_s >= 1, "rdzv_timeout_s", "must be >= 1", self.rdzv_timeout_s)
+        check(self.cpu_workers >= 1, "cpu_workers", "must be >= 1", self.cpu_workers)
+        check(self.micro_batches >= 1, "micro_batches", "must be >= 1", self.micro_batches)
+        check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0", self.checkpoint_every)
+        check(self.max_restarts >= 0, "max_restarts", "must be >= 0", self.max_restarts)
+        check(self.replica_check_every >= 0, "replica_check_every", "must be >= 0", self.replica_check_every)
+        check(0 <= self.metrics_port < 65536, "metrics_port", "must be in 0..65535", self.metrics_port)
+
+
+@dataclass
 class ReconstructParams:
     method: Literal["nerf"] = "nerf"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -56,6 +97,7 @@ class ReconstructParams:
     batch_rays: int = 4096
     eval_every: int = 250
     nerf: NerfParams = field(default_factory=NerfParams)
+    distributed: DistributedParams = field(default_factory=DistributedParams)
 
     def __post_init__(self) -> None:
         check(self.steps >= 1, "steps", "must be >= 1", self.steps)

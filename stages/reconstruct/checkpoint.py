@@ -1,0 +1,212 @@
+"""Training checkpoints, so that a killed run resumes instead of starting over.
+
+Rank 0 writes ``step_<step>.pt`` into a checkpoint folder beside the stage's out (never
+inside it: the out is DVC's and is replaced as a whole at the end), atomically
+(temporary file, then rename), with a ``step_<step>.json`` beside it holding the
+file's sha256; the latest two are kept. A checkpoint holds tensors and plain types
+only (``torch.load(weights_only=True)``):
+
+* ``format``, ``method``, ``config`` (the resolved params), ``seed``, ``world_size``
+* ``step``: optimizer steps done
+* ``state`` (the method's ``state_dict()``), ``optimizer``, ``scheduler``
+* ``rng``: one entry per rank (every generator the rank draws from, and torch's own)
+* ``progress``: the training curve so far, samples and seconds, for the outs' figures
+
+A run resumes from the newest checkpoint that reads back intact; a corrupt newest one
+is skipped with a warning. A checkpoint of another model or config is an error before
+training (:class:`CheckpointMismatch`), naming the keys that differ and the folder to
+remove. When the stage succeeds the folder is removed.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stages.common.io import atomic_write_bytes, atomic_write_json
+
+log = logging.getLogger("stages.reconstruct.checkpoint")
+
+CKPT_FORMAT = "rayforge-train-checkpoint-v1"
+REQUIRED_KEYS = ("format", "method", "config", "seed", "world_size", "step", "state", "optimizer", "rng")
+KEEP = 2
+
+# Params that may differ between a run and its resume without changing what is trained:
+# operational knobs, and the ways of asking for a world size (the size itself is compared).
+OPERATIONAL_KEYS = frozenset({
+    "eval_every",
+    "nerf.use_kernels",
+    "distributed.gpus", "distributed.nodes", "distributed.cpu_workers",
+    "distributed.rdzv_endpoint", "distributed.rdzv_timeout_s", "distributed.grad_sync",
+    "distributed.checkpoint_every", "distributed.max_restarts", "distributed.replica_check_every",
+    "distributed.metrics_port", "distributed.metrics_addr",
+})
+
+_NAME = re.compile(r"^step_(\d+)\.pt$")
+
+
+class CorruptCheckpoint(Exception):
+    """A checkpoint file that does not read back intact."""
+
+
+class CheckpointMismatch(ValueError):
+    """A readable checkpoint written by a run of another model or config."""
+
+
+def default_dir(out_dir: str | Path) -> Path:
+    """``<out>.ckpt`` beside the out folder: ``data/reconstruct`` -> ``data/reconstruct.ckpt``."""
+    out = Path(out_dir)
+    return out.with_name(out.name + ".ckpt")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_differences(saved: dict, current: dict) -> list[str]:
+    """``key: saved -> current`` for every non-operational params key that differs."""
+    a, b = _flatten(saved), _flatten(current)
+    diffs = []
+    for key in sorted(set(a) | set(b)):
+        if key in OPERATIONAL_KEYS:
+            continue
+        va, vb = a.get(key, "<absent>"), b.get(key, "<absent>")
+        if isinstance(va, (list, tuple)) and isinstance(vb, (list, tuple)):
+            va, vb = list(va), list(vb)
+        if va != vb:
+            diffs.append(f"reconstruct.{key}: {va!r} -> {vb!r}")
+    return diffs
+
+
+@dataclass
+class Expectation:
+    """What a checkpoint must match to be resumed by this run."""
+
+    method: str
+    config: dict
+    seed: int
+    world_size: int
+
+    def check(self, blob: dict, path: Path, folder: Path) -> None:
+        diffs = []
+        if blob["method"] != self.method:
+            diffs.append(f"method: {blob['method']!r} -> {self.method!r}")
+        if blob["seed"] != self.seed:
+            diffs.append(f"seed: {blob['seed']!r} -> {self.seed!r}")
+        if blob["world_size"] != self.world_size:
+            diffs.append(f"world size: {blob['world_size']} -> {self.world_size} processes")
+        diffs += config_differences(blob["config"], self.config)
+        if diffs:
+            raise CheckpointMismatch(
+                f"checkpoint {path} was written by another model or config ({'; '.join(diffs)}); "
+                f"restore those params to resume it, or remove {folder} to start over")
+
+
+class CheckpointStore:
+    """The checkpoint folder of one training run."""
+
+    def __init__(self, folder: str | Path, keep: int = KEEP):
+        self.folder = Path(folder)
+        self.keep = keep
+
+    def candidates(self) -> list[tuple[int, Path]]:
+        """(step, path) of every checkpoint file, newest first."""
+        if not self.folder.is_dir():
+            return []
+        found = []
+        for p in self.folder.iterdir():
+            m = _NAME.match(p.name)
+            if m and p.is_file():
+                found.append((int(m.group(1)), p))
+        return sorted(found, reverse=True)
+
+    def save(self, blob: dict) -> Path:
+        """Write ``blob`` as the checkpoint of ``blob['step']``; keep the newest ``keep``."""
+        step = int(blob["step"])
+        buf = io.BytesIO()
+        torch.save(blob, buf)
+        data = buf.getvalue()
+        path = self.folder / f"step_{step:08d}.pt"
+        atomic_write_bytes(path, data)  # what atomic_torch_save does, keeping the bytes to hash
+        atomic_write_json(path.with_suffix(".json"), {
+            "step": step, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+            "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        })
+        for _, old in self.candidates()[self.keep:]:
+            old.unlink(missing_ok=True)
+            old.with_suffix(".json").unlink(missing_ok=True)
+        return path
+
+    def load(self, path: str | Path) -> dict:
+        """Read one checkpoint, checking its digest and layout.
+
+        Raises:
+            CorruptCheckpoint: unreadable, truncated, digest mismatch, or not a checkpoint.
+        """
+        path = Path(path)
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise CorruptCheckpoint(f"cannot read {path}: {exc}") from None
+        side = path.with_suffix(".json")
+        if side.is_file():  # absent when the writer died between the two renames: the .pt is whole
+            try:
+                meta = json.loads(side.read_text())
+                want = meta["sha256"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise CorruptCheckpoint(f"{side}: unreadable digest ({exc})") from None
+            if hashlib.sha256(data).hexdigest() != want:
+                raise CorruptCheckpoint(f"{path}: sha256 does not match {side.name}")
+        try:
+            blob = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch raises several types for a damaged zip or pickle
+            raise CorruptCheckpoint(f"{path}: not a readable checkpoint ({type(exc).__name__}: {exc})") from None
+        if not isinstance(blob, dict) or blob.get("format") != CKPT_FORMAT:
+            raise CorruptCheckpoint(f"{path}: not a {CKPT_FORMAT} file")
+        missing = [k for k in REQUIRED_KEYS if k not in blob]
+        if missing:
+            raise CorruptCheckpoint(f"{path}: missing {', '.join(missing)}")
+        return blob
+
+    def load_latest(self, expect: Expectation | None = None) -> dict | None:
+        """The newest intact checkpoint (checked against ``expect``), or None to start fresh.
+
+        A corrupt newest checkpoint falls back to the previous one with a warning.
+
+        Raises:
+            CheckpointMismatch: the newest intact checkpoint belongs to another model/config.
+        """
+        found = self.candidates()
+        for i, (step, path) in enumerate(found):
+            try:
+                blob = self.load(path)
+            except CorruptCheckpoint as exc:
+                nxt = f"falling back to step {found[i + 1][0]}" if i + 1 < len(found) else "no older one left"
+                log.warning("checkpoint of step %d is corrupt (%s); %s", step, exc, nxt)
+                continue
+            if expect is not None:
+                expect.check(blob, path, self.folder)
+            blob["_path"] = str(path)
+            return blob
+        if found:
+            log.warning("no intact checkpoint in %s: training starts from step 0", self.folder)
+        return None
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)

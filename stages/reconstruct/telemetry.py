@@ -1,0 +1,132 @@
+"""What a training run reports while it runs: step time split into compute and
+communication, per-rank throughput, and (rank 0) a Prometheus endpoint.
+
+The endpoint binds to 127.0.0.1 unless ``reconstruct.distributed.metrics_addr`` says
+otherwise; ``metrics_port: 0`` turns it off. Metrics (all gauges):
+
+* ``rayforge_reconstruct_step``, ``_steps_total``, ``_world_size``, ``_restarts``
+* ``rayforge_reconstruct_loss``, ``_train_psnr``, ``_test_psnr``
+* ``rayforge_reconstruct_samples_per_second{rank}``, ``_rays_per_second{rank}``
+* ``rayforge_reconstruct_step_compute_seconds{rank}``, ``_step_comm_seconds{rank}`` (mean per step)
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+log = logging.getLogger("stages.reconstruct.telemetry")
+
+
+class StepTimer:
+    """Accumulates each step's wall time, split into communication (between
+    :meth:`comm_begin` and :meth:`comm_end`) and the rest (compute).
+
+    On a GPU it records CUDA events and reads them only in :meth:`flush`, so timing
+    adds no synchronisation between flushes.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._events: list[tuple] = []  # cuda: (start, [(c0, c1), ...], end) per step
+        self._t0 = 0.0
+        self._comm = 0.0
+        self._c0 = 0.0
+        self._regions: list = []
+        self.compute_s = 0.0
+        self.comm_s = 0.0
+        self.steps = 0
+
+    def _event(self):
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def begin_step(self) -> None:
+        if self.cuda:
+            self._start, self._regions = self._event(), []
+        else:
+            self._t0, self._comm = time.perf_counter(), 0.0
+
+    def comm_begin(self) -> None:
+        if self.cuda:
+            self._regions.append([self._event(), None])
+        else:
+            self._c0 = time.perf_counter()
+
+    def comm_end(self) -> None:
+        if self.cuda:
+            self._regions[-1][1] = self._event()
+        else:
+            self._comm += time.perf_counter() - self._c0
+
+    def end_step(self) -> None:
+        if self.cuda:
+            self._events.append((self._start, self._regions, self._event()))
+        else:
+            total = time.perf_counter() - self._t0
+            self.comm_s += self._comm
+            self.compute_s += total - self._comm
+        self.steps += 1
+
+    def flush(self) -> tuple[float, float, int]:
+        """(compute seconds, comm seconds, steps) since the last flush."""
+        if self.cuda and self._events:
+            self._events[-1][2].synchronize()
+            for start, regions, end in self._events:
+                total = start.elapsed_time(end) / 1e3
+                comm = sum(a.elapsed_time(b) / 1e3 for a, b in regions)
+                self.comm_s += comm
+                self.compute_s += total - comm
+            self._events = []
+        out = (self.compute_s, self.comm_s, self.steps)
+        self.compute_s = self.comm_s = 0.0
+        self.steps = 0
+        return out
+
+
+class MetricsServer:
+    """Prometheus gauges served over HTTP by rank 0 (prometheus-client)."""
+
+    def __init__(self, port: int, addr: str = "127.0.0.1", world_size: int = 1, restarts: int = 0,
+                 steps_total: int = 0):
+        from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+        reg = self.registry = CollectorRegistry()
+        p = "rayforge_reconstruct_"
+        self.step = Gauge(p + "step", "optimizer steps done", registry=reg)
+        Gauge(p + "steps_total", "optimizer steps the run will take", registry=reg).set(steps_total)
+        Gauge(p + "world_size", "training processes", registry=reg).set(world_size)
+        Gauge(p + "restarts", "torchrun restarts of the worker group so far", registry=reg).set(restarts)
+        self.loss = Gauge(p + "loss", "training MSE, averaged over ranks", registry=reg)
+        self.psnr = Gauge(p + "train_psnr", "training PSNR (dB)", registry=reg)
+        self.test_psnr = Gauge(p + "test_psnr", "held-out PSNR on sampled rays (dB)", registry=reg)
+        self.samples = Gauge(p + "samples_per_second", "network samples per second", ["rank"], registry=reg)
+        self.rays = Gauge(p + "rays_per_second", "training rays per second", ["rank"], registry=reg)
+        self.compute = Gauge(p + "step_compute_seconds", "mean compute time per step", ["rank"], registry=reg)
+        self.comm = Gauge(p + "step_comm_seconds", "mean communication time per step", ["rank"], registry=reg)
+        try:
+            self.server, self._thread = start_http_server(port, addr=addr, registry=reg)
+        except OSError as exc:
+            raise ValueError(f"reconstruct.distributed.metrics_port: cannot serve metrics on {addr}:{port} "
+                             f"({exc}); pick a free port or 0 to turn it off") from None
+        log.info("Prometheus metrics on http://%s:%d/metrics", addr, port)
+
+    def update(self, step: int, loss: float, psnr: float, test_psnr: float | None,
+               per_rank: list[list[float]]) -> None:
+        """``per_rank``: [samples/s, rays/s, compute s/step, comm s/step] for each rank."""
+        self.step.set(step)
+        self.loss.set(loss)
+        self.psnr.set(psnr)
+        if test_psnr is not None:
+            self.test_psnr.set(test_psnr)
+        for r, (sps, rps, comp, comm) in enumerate(per_rank):
+            self.samples.labels(rank=str(r)).set(sps)
+            self.rays.labels(rank=str(r)).set(rps)
+            self.compute.labels(rank=str(r)).set(comp)
+            self.comm.labels(rank=str(r)).set(comm)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
