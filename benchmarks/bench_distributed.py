@@ -29,7 +29,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,30 +39,11 @@ sys.path.insert(0, str(ROOT))
 
 
 def make_poses(root: Path, width: int = 96, height: int = 72, views: int = 12) -> Path:
-    """A poses folder straight from the scene generator's ground truth (no SfM)."""
-    from stages.common.cameras import (Intrinsics, apply_similarity_to_c2w, apply_similarity_to_points,
-                                       normalization_transform, w2c_to_c2w, write_transforms)
-    from stages.scene import SceneParams, run as scene_run
+    """A poses-stage folder from the scene generator's ground truth (no SfM)."""
+    from stages.scene import SceneParams, poses_from_ground_truth, run as scene_run
 
     scene_run(SceneParams(width=width, height=height, views=views, rings=2, objects=4), root / "scene", 0)
-    src, dst = root / "scene" / "images", root / "poses"
-    gt = json.loads((src / "ground_truth.json").read_text())
-    i = gt["intrinsics"]
-    intr = Intrinsics(i["width"], i["height"], i["fx"], i["fy"], i["cx"], i["cy"])
-    by = {f["file"]: np.array(f["world_to_camera"]) for f in gt["frames"]}
-    files = sorted(by)
-    c2w = np.stack([w2c_to_c2w(by[f]) for f in files])
-    S = normalization_transform(c2w)
-    corners = np.array(np.meshgrid([-2.6, 2.6], [-2.6, 2.6], [-0.1, 1.4])).reshape(3, -1).T
-    pts = apply_similarity_to_points(S, corners)
-    (dst / "images").mkdir(parents=True)
-    for f in files:
-        shutil.copy(src / f, dst / "images" / f)
-    write_transforms(dst / "transforms.json", intr, [f"images/{f}" for f in files], apply_similarity_to_c2w(S, c2w),
-                     {"aabb": [pts.min(0).tolist(), pts.max(0).tolist()], "normalization": S.tolist()})
-    (dst / "split.json").write_text(json.dumps({"train": [f for k, f in enumerate(files) if k % 8],
-                                                "test": [f for k, f in enumerate(files) if k % 8 == 0]}))
-    return dst
+    return poses_from_ground_truth(root / "scene" / "images", root / "poses")
 
 
 def table(rows: list[list], head: list[str]) -> str:
@@ -84,7 +64,6 @@ def real_row_density(levels: int, log2_t: int, max_res: int, rays: int, keep: fl
     from stages.reconstruct.data import RaySampler, load_scene
     from stages.reconstruct.nerf.render import ray_aabb
 
-    global _POSES
     scene = load_scene(_POSES)
     g = torch.Generator().manual_seed(seed)
     o, d, _ = RaySampler(scene.train, g).sample(rays)

@@ -447,6 +447,41 @@ def run(params: SceneParams, out_dir: str | Path, seed: int, log=None) -> dict:
             "scene": gt["scene"], "seconds": seconds}
 
 
+def poses_from_ground_truth(images_dir: str | Path, out_dir: str | Path, test_every: int = 8) -> Path:
+    """A poses-stage folder made straight from the generated scene's ground truth (no SfM).
+
+    For tests and benchmarks of the stages after poses: the exact cameras, normalized like
+    the poses stage does (``normalization_transform``), the scene box (ground disc and
+    objects) as ``aabb``, and the ``llffhold`` split. Returns ``out_dir``.
+    """
+    import json
+    import shutil
+
+    from .common.cameras import (apply_similarity_to_c2w, apply_similarity_to_points, normalization_transform,
+                                 w2c_to_c2w, write_transforms)
+
+    src, dst = Path(images_dir), Path(out_dir)
+    gt = json.loads((src / "ground_truth.json").read_text())
+    i = gt["intrinsics"]
+    intr = Intrinsics(i["width"], i["height"], i["fx"], i["fy"], i["cx"], i["cy"])
+    by_file = {f["file"]: np.array(f["world_to_camera"]) for f in gt["frames"]}
+    files = sorted(by_file)
+    c2w = np.stack([w2c_to_c2w(by_file[f]) for f in files])
+    S = normalization_transform(c2w)
+    r = GROUND_RADIUS + 0.1
+    corners = np.array(np.meshgrid([-r, r], [-r, r], [-0.1, 1.4])).reshape(3, -1).T
+    box = apply_similarity_to_points(S, corners)
+    (dst / "images").mkdir(parents=True, exist_ok=True)
+    for f in files:
+        shutil.copy(src / f, dst / "images" / f)
+    write_transforms(dst / "transforms.json", intr, [f"images/{f}" for f in files], apply_similarity_to_c2w(S, c2w),
+                     {"aabb": [box.min(0).tolist(), box.max(0).tolist()], "normalization": S.tolist()})
+    split = {"train": [f for k, f in enumerate(files) if k % test_every],
+             "test": [f for k, f in enumerate(files) if k % test_every == 0]}
+    atomic_write_json(dst / "split.json", split)
+    return dst
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m stages.scene", description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path, help="out folder; images/view_*.png and images/ground_truth.json go in it")

@@ -15,7 +15,6 @@ import copy
 import json
 import math
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,7 +23,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import yaml
@@ -51,29 +49,10 @@ def _merge(base: dict, over: dict) -> dict:
 
 def make_poses(root: Path, width: int = 64, height: int = 48, views: int = 8) -> Path:
     """A poses-stage folder from the scene generator's ground truth (no SfM)."""
-    from stages.common.cameras import (Intrinsics, apply_similarity_to_c2w, apply_similarity_to_points,
-                                       normalization_transform, w2c_to_c2w, write_transforms)
-    from stages.scene import SceneParams, run as scene_run
+    from stages.scene import SceneParams, poses_from_ground_truth, run as scene_run
 
     scene_run(SceneParams(width=width, height=height, views=views, rings=1, objects=3), root / "scene", 0)
-    src, dst = root / "scene" / "images", root / "poses"
-    gt = json.loads((src / "ground_truth.json").read_text())
-    i = gt["intrinsics"]
-    intr = Intrinsics(i["width"], i["height"], i["fx"], i["fy"], i["cx"], i["cy"])
-    by = {f["file"]: np.array(f["world_to_camera"]) for f in gt["frames"]}
-    files = sorted(by)
-    c2w = np.stack([w2c_to_c2w(by[f]) for f in files])
-    S = normalization_transform(c2w)
-    corners = np.array(np.meshgrid([-2.6, 2.6], [-2.6, 2.6], [-0.1, 1.4])).reshape(3, -1).T
-    pts = apply_similarity_to_points(S, corners)
-    (dst / "images").mkdir(parents=True)
-    for f in files:
-        shutil.copy(src / f, dst / "images" / f)
-    write_transforms(dst / "transforms.json", intr, [f"images/{f}" for f in files], apply_similarity_to_c2w(S, c2w),
-                     {"aabb": [pts.min(0).tolist(), pts.max(0).tolist()], "normalization": S.tolist()})
-    (dst / "split.json").write_text(json.dumps({"train": [f for k, f in enumerate(files) if k % 8],
-                                                "test": [f for k, f in enumerate(files) if k % 8 == 0]}))
-    return dst
+    return poses_from_ground_truth(root / "scene" / "images", root / "poses")
 
 
 @pytest.fixture(scope="module")

@@ -155,25 +155,29 @@ def broadcast_tensors_(ctx: DistContext, tensors: Iterable[torch.Tensor], src: i
         dist.broadcast(_as_bytes_view(t.data), src=src)
 
 
-def method_buffers(method) -> list[tuple[str, torch.Tensor]]:
-    """The method's state tensors that are not parameters (e.g. the occupancy grid), by name.
-
-    Method-agnostic: every tensor of ``method.state_dict()`` whose storage is not one of
-    ``method.parameters()``.
-    """
-    param_ptrs = {p.data_ptr() for p in method.parameters()}
-    out = []
+def named_state(method) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of ``method.state_dict()`` with a dotted name, in a fixed order."""
+    out: list[tuple[str, torch.Tensor]] = []
 
     def walk(prefix: str, obj: Any) -> None:
         if isinstance(obj, torch.Tensor):
-            if obj.data_ptr() not in param_ptrs:
-                out.append((prefix, obj))
+            out.append((prefix, obj))
         elif isinstance(obj, dict):
             for k, v in obj.items():
                 walk(f"{prefix}.{k}" if prefix else str(k), v)
 
     walk("", method.state_dict())
     return out
+
+
+def method_buffers(method) -> list[tuple[str, torch.Tensor]]:
+    """The method's state that is not a parameter (e.g. the occupancy grid), by name.
+
+    Method-agnostic: every tensor of ``method.state_dict()`` whose storage is not one of
+    ``method.parameters()``.
+    """
+    param_ptrs = {p.data_ptr() for p in method.parameters()}
+    return [(n, t) for n, t in named_state(method) if t.data_ptr() not in param_ptrs]
 
 
 # ---------------------------------------------------------------- replica check

@@ -46,7 +46,7 @@ from .config import ReconstructParams
 from .data import RaySampler, Scene
 from .distributed import (
     DistContext, GradReducer, all_gather_objects, all_gather_tensor, broadcast_object, broadcast_tensors_,
-    check_replicas, lr_scale, method_buffers, scale_learning_rates,
+    check_replicas, lr_scale, method_buffers, named_state, scale_learning_rates,
 )
 from .nerf.method import NerfMethod
 from .telemetry import MetricsServer, StepTimer
@@ -117,20 +117,6 @@ def held_out_psnr(method: NerfMethod, scene: Scene, generator: torch.Generator, 
     o, d, rgb = sampler.sample(n_rays)
     pred = method.render_rays(o, d)
     return mse_to_psnr(float(torch.mean((pred - rgb) ** 2)))
-
-
-def _named_state(method) -> list[tuple[str, torch.Tensor]]:
-    out = []
-
-    def walk(prefix, obj):
-        if isinstance(obj, torch.Tensor):
-            out.append((prefix, obj))
-        elif isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v)
-
-    walk("", method.state_dict())
-    return out
 
 
 class _Rng:
@@ -293,7 +279,7 @@ def train(
         ckpt_now = (checkpoints is not None and dp.checkpoint_every > 0 and done % dp.checkpoint_every == 0
                     and not last)
         if ctx.active and (ckpt_now or last or (dp.replica_check_every and done % dp.replica_check_every == 0)):
-            check_replicas(ctx, _named_state(method), done)
+            check_replicas(ctx, named_state(method), done)
 
         if step % LOG_EVERY == 0 or last or done % params.eval_every == 0:
             loss_now = float(extras[0]) / (M * world)
