@@ -239,14 +239,21 @@ def undistort(pycolmap, rec, image_dir: Path, work: Path):
 # ---------------------------------------------------------------- outputs
 
 
-def robust_aabb(points: np.ndarray, fallback: np.ndarray, lo_pct: float = 2.0, hi_pct: float = 98.0,
-                pad: float = 0.1) -> np.ndarray:
-    """[2, 3] box of the 2nd-98th percentiles of ``points`` [N, 3], padded by ``pad`` of its extent
-    on each side; ``fallback`` [M, 3] points (the cameras) stand in when there are too few."""
+def robust_aabb(points: np.ndarray, fallback: np.ndarray, lo_pct: float = 0.5, hi_pct: float = 99.5,
+                pad: float = 0.15) -> np.ndarray:
+    """[2, 3] scene box: the 0.5th-99.5th percentiles of ``points`` [N, 3] per axis, padded on
+    every side by ``pad`` of the box's LARGEST extent; ``fallback`` [M, 3] points (the
+    cameras) stand in when there are too few.
+
+    Sparse SfM points are mostly on the ground of a capture, so per-axis percentiles with a
+    per-axis pad cut off the tops of objects (seen on the default scene: a box 0.14 tall for
+    objects 0.3 tall, and renders with the tops missing); padding by the largest extent keeps
+    them inside while a few stray points still cannot blow the box up.
+    """
     pts = points if len(points) >= 8 else np.concatenate([points.reshape(-1, 3), fallback], 0)
     lo, hi = np.percentile(pts, lo_pct, axis=0), np.percentile(pts, hi_pct, axis=0)
-    extent = np.maximum(hi - lo, 1e-3 * max(float((hi - lo).max()), 1e-3))
-    return np.stack([lo - pad * extent, hi + pad * extent])
+    margin = pad * max(float((hi - lo).max()), 1e-3)
+    return np.stack([lo - margin, hi + margin])
 
 
 def write_ply(path: Path, xyz: np.ndarray, rgb_u8: np.ndarray) -> None:

@@ -253,4 +253,13 @@ def test_robust_aabb_ignores_outliers_and_pads():
     pts = np.concatenate([rng.uniform(-1, 1, (1000, 3)), [[50.0, 50.0, 50.0], [-40.0, 0, 0]]])
     box = poses.robust_aabb(pts, np.zeros((1, 3)))
     assert np.all(box[1] < 1.5) and np.all(box[0] > -1.5)
-    assert np.all(box[1] > 1.0) and np.all(box[0] < -1.0)  # padded past the 2nd-98th percentiles
+    assert np.all(box[1] > 1.0) and np.all(box[0] < -1.0)  # padded past the 0.5th-99.5th percentiles
+
+
+def test_robust_aabb_keeps_the_height_of_a_flat_capture():
+    # Sparse points of a capture are mostly ground; the few on object tops must stay inside.
+    rng = np.random.default_rng(1)
+    ground = np.c_[rng.uniform(-1, 1, (2000, 2)), np.zeros(2000)]
+    tops = np.c_[rng.uniform(-0.3, 0.3, (20, 2)), rng.uniform(0.0, 0.3, 20)]
+    box = poses.robust_aabb(np.concatenate([ground, tops]), np.zeros((1, 3)))
+    assert box[1][2] >= 0.3 and box[0][2] < 0.0
