@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import logging
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _dvc_project import make_dvc_project
 import yaml
 
 from flows import artifacts, dvc_project, gpu, pipeline
@@ -68,14 +67,7 @@ bad:
 
 
 def _make_project(root: Path) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "stage.py").write_text(STAGE_PY)
-    (root / "dvc.yaml").write_text(DVC_YAML)
-    (root / "params.yaml").write_text(PARAMS_YAML)
-    dvc = [sys.executable, "-m", "dvc"]
-    for cmd in (["git", "init", "-q"], dvc + ["init", "-q"], dvc + ["config", "core.analytics", "false"]):
-        subprocess.run(cmd, cwd=root, check=True, capture_output=True)
-    return root
+    return make_dvc_project(root, STAGE_PY, DVC_YAML, PARAMS_YAML)
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _dvc_project import make_dvc_project
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -95,14 +96,7 @@ evaluate:
 
 
 def _make_project(root: Path) -> Path:
-    root.mkdir(parents=True)
-    (root / "stage.py").write_text(STAGE_PY)
-    (root / "dvc.yaml").write_text(DVC_YAML)
-    (root / "params.yaml").write_text(PARAMS_YAML)
-    dvc = [sys.executable, "-m", "dvc"]
-    for cmd in (["git", "init", "-q"], dvc + ["init", "-q"], dvc + ["config", "core.analytics", "false"]):
-        subprocess.run(cmd, cwd=root, check=True, capture_output=True)
-    return root
+    return make_dvc_project(root, STAGE_PY, DVC_YAML, PARAMS_YAML)
 
 
 # ---------------------------------------------------------------- processes

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from stages.common.io import atomic_dir, atomic_torch_save, atomic_write_json, atomic_write_text
+from stages.common.io import atomic_dir, atomic_write_json, atomic_write_text
 from stages.common.params import to_dict
 
 from .checkpoint import CheckpointStore, default_dir
@@ -143,4 +143,4 @@ def run(
     return summary
 
 
-__all__ = ["run", "ReconstructParams", "DistributedParams", "MODEL_FORMAT", "pick_device", "atomic_torch_save"]
+__all__ = ["run", "ReconstructParams", "DistributedParams", "MODEL_FORMAT", "pick_device"]
