@@ -126,11 +126,17 @@ def bench_hash_encoding(sizes, variants, reference: bool) -> list[dict]:
             points, table, res, grad_out = make_inputs(n, dtype)
             lookups = n * LEVELS
             ref_out = kernels.hash_encode(points, table, res, use_kernels=False)
-            for name, group, block, defines in variants:
+            host = tuple(res.tolist())
+            for name, group, block, defines, *private in variants:
                 fwd = gpu_time_ms(lambda: hashgrid._forward_cuda(points, table, res, group,
                                                                  block, defines))
+                saved = {k: getattr(hashgrid, k) for k in (private[0] if private else {})}
+                for k, v in (private[0] if private else {}).items():
+                    setattr(hashgrid, k, v)
                 bwd = gpu_time_ms(lambda: hashgrid._backward_cuda(
-                    points, grad_out, res, table.shape, table.dtype, group, block, defines))
+                    points, grad_out, res, table.shape, table.dtype, group, block, defines, host))
+                for k, v in saved.items():
+                    setattr(hashgrid, k, v)
                 out = hashgrid._forward_cuda(points, table, res, group, block, defines)
                 err = (out - ref_out).abs().max().item()
                 rows.append(dict(n=n, dtype=str(dtype).split(".")[-1], impl=name, fwd_ms=fwd,
@@ -206,6 +212,10 @@ def main(argv=None) -> int:
                      [("no pair merge", "RF_NO_PAIR_MERGE"), ("no streaming", "RF_NO_STREAMING"),
                       ("scalar atomics", "RF_SCALAR_ATOMICS")]]
         variants += [("kernel G=0 neither", 0, None, {"RF_NO_PAIR_MERGE": 1, "RF_NO_STREAMING": 1})]
+        # block-private backward of the dense levels: off, and capped at 1 / 2 slabs per level
+        variants += [(f"kernel private slabs<={k}" if k else "kernel no private bwd", None, None, None,
+                      {"PRIVATE_MAX_SLABS": k} if k else {"PRIVATE_SMEM_BYTES": 0}) for k in (0, 1, 2, 8)]
+        variants += [("kernel private min hits 64", None, None, None, {"PRIVATE_MIN_HITS": 64})]
     rows = bench_hash_encoding(args.sizes, variants, reference=not args.no_reference)
     print()
     print_table(rows)

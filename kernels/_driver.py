@@ -171,6 +171,7 @@ class KernelProgram:
         self.options = tuple(options)
         self._lock = threading.Lock()
         self._loaded: dict[int, tuple[object, dict[str, object]]] = {}
+        self._smem_optin: dict[tuple[int, str], int] = {}
 
     def __repr__(self) -> str:
         return (f"KernelProgram({self.source.name!r}, {list(self.name_expressions)!r}, "
@@ -179,6 +180,7 @@ class KernelProgram:
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_loaded"] = {}
+        state["_smem_optin"] = {}
         del state["_lock"]
         return state
 
@@ -215,6 +217,23 @@ class KernelProgram:
                 entry = (module, functions)
                 self._loaded[index] = entry
         return entry[1]
+
+    def set_max_dynamic_shared(self, name_expression: str, nbytes: int,
+                               device: torch.device | int | None = None) -> None:
+        """Allow ``name_expression`` launches with up to ``nbytes`` of dynamic shared memory
+        (above 48 KiB a kernel must opt in; once per device and size is enough)."""
+        index = _device_index(device)
+        key = (index, name_expression)
+        if self._smem_optin.get(key, -1) >= nbytes:
+            return
+        entry = self._loaded.get(index)
+        function = (entry[1] if entry is not None else self.load(index))[name_expression]
+        driver = _driver()
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        with device_context(index):
+            _check(driver.cuFuncSetAttribute(function, attr, int(nbytes)),
+                   f"cuFuncSetAttribute({name_expression}, max dynamic shared {nbytes})")
+        self._smem_optin[key] = nbytes
 
     def launch(self, name_expression: str, grid: Sequence[int], block: Sequence[int],
                args: Sequence[KernelArg], device: torch.device | int | None = None,

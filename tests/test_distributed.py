@@ -140,6 +140,24 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(two_proc_run
     assert not (two_proc_run.parent / "out.ckpt").exists(), "checkpoints are removed on success"
 
 
+def test_tensorboard_scalars_of_every_rank_land_in_the_out(two_proc_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = two_proc_run / "tensorboard"
+    assert not (two_proc_run.parent / "out.tb").exists(), "the live folder moves into the out on success"
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    want = {"train/loss", "train/psnr", "train/lr", "test/psnr", "throughput/samples_per_s"}
+    want |= {f"rank{r}/{k}" for r in (0, 1) for k in ("samples_per_s", "step_compute_ms", "step_comm_ms")}
+    assert want <= tags, want - tags
+    loss = acc.Scalars("train/loss")
+    assert loss[-1].step == TINY["steps"] and all(math.isfinite(e.value) and e.value > 0 for e in loss)
+    rows = (two_proc_run.parent / "out.csv").read_text().splitlines()
+    col = rows[0].split(",").index("loss")
+    assert loss[-1].value == pytest.approx(float(rows[-1].split(",")[col]), rel=1e-6)  # same numbers as train.csv
+
+
 def test_two_hosts_on_loopback(two_proc_run, poses, tmp_path):
     """Two launches, one process each, meeting at a c10d rendezvous on 127.0.0.1."""
     port = free_port()
@@ -260,6 +278,29 @@ def _collectives_worker(rank: int, world: int, init_file: str, results: str) -> 
             extras = red.reduce(0.5, torch.tensor([1.0 + rank, 10.0]))
             out[mode] = {"table": ps[0].grad.clone(), "mlp": ps[1].grad.clone(), "none": ps[2].grad.clone(),
                          "extras": extras, "sparse_steps": red.sparse_steps}
+        # Overlap: buckets launched from backward hooks during the last micro-batch's backward
+        # give the same sums as one reduce after backward; bf16 on the wire stays close.
+        for name, kw in (("plain", {}), ("overlap", {"overlap": True}),
+                         ("bf16", {"overlap": True, "wire_dtype": torch.bfloat16})):
+            torch.manual_seed(0)  # identical initial weights on both ranks
+            net = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
+                                      torch.nn.ReLU(), torch.nn.Linear(32, 3))
+            unused = torch.nn.Parameter(torch.zeros(4))  # never gets a gradient
+            params = list(net.parameters()) + [unused]
+            red = GradReducer(params, ctx, "dense", bucket_bytes=1200, **kw)
+            xg = torch.Generator().manual_seed(7 + rank)
+            launched = []
+            for m in range(2):
+                x = torch.randn(16, 6, generator=xg)
+                if m == 1:
+                    red.arm()
+                net(x).square().mean().backward()
+                if m == 1:
+                    launched.append(len(red._inflight))
+            red.reduce(0.25)
+            red.close()
+            out[name] = {"grads": [p.grad.clone() for p in params], "buckets": len(red.buckets),
+                         "launched_in_backward": launched[0]}
         same = [("a", torch.arange(10.0)), ("b", torch.ones(3, dtype=torch.bool))]
         check_replicas(ctx, same, step=7)
         differ = [("a", torch.arange(10.0) + (1e-7 if rank == 1 else 0.0)), ("b", torch.ones(3, dtype=torch.bool))]
@@ -291,6 +332,14 @@ def test_gradient_sync_modes_and_replica_check_in_two_gloo_processes(tmp_path):
             assert got["extras"].tolist() == [3.0, 20.0]
         assert res[r]["sparse"]["sparse_steps"] == 1
         assert res[r]["auto"]["sparse_steps"] == 1  # 1% of rows: gathering them is fewer bytes
+        plain, over, bf16 = res[r]["plain"], res[r]["overlap"], res[r]["bf16"]
+        assert over["buckets"] >= 3 and over["launched_in_backward"] == over["buckets"] - 1  # all but the unused one
+        assert plain["launched_in_backward"] == 0
+        for a, b, c, d in zip(plain["grads"], over["grads"], bf16["grads"], res[1 - r]["overlap"]["grads"]):
+            assert torch.equal(a, b)  # same additions, only earlier
+            assert torch.equal(b, d)  # identical on both ranks
+            # bf16 keeps 8 significant bits: each of the two summands and the sum round once
+            torch.testing.assert_close(c, a, rtol=2e-2, atol=1e-3 * float(a.abs().max()) + 1e-12)
         msg = res[r]["divergence"]
         assert msg is not None and "step 42" in msg and "rank(s) [1]" in msg and "a" in msg, msg
 

@@ -293,7 +293,7 @@ def _reordered_sum_bound(points, res, size, features, grad_out):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("n, size", [(1, 2**14), (257, 2**14), (1000, 2**14), (65536 + 17, 2**14),
                                      (4099, 12345)])
-def test_kernel_backward_matches_reference(n, size, dtype):
+def test_kernel_backward_matches_reference(n, size, dtype, monkeypatch):
     points, table, res = _random_inputs(n, dtype, seed=100 + n, size=size)
     table.requires_grad_(True)
     levels, size, features = table.shape
@@ -301,9 +301,20 @@ def test_kernel_backward_matches_reference(n, size, dtype):
                       generator=torch.Generator(device="cuda").manual_seed(n))
     (expected,) = torch.autograd.grad(hash_encode(points, table, res, use_kernels=False), table, cot)
     counts, abs_sum = _reordered_sum_bound(points, res, size, features, cot)
-    for group, defines in VARIANTS:
+    host = tuple(res.tolist())
+    # Block-private accumulation of the dense levels: off (no host resolutions), every dense level
+    # that fits (min hits 1), and tiny 4 KiB slabs so levels span several slabs with edges inside.
+    private = [(None, None, None), (host, 1, None), (host, 1, 4096), (host, 1, 1 << 14)]
+    cases = [(g, d, p) for g, d in VARIANTS for p in private[:1]] + [(None, None, p) for p in private[1:]]
+    for group, defines, (res_host, min_hits, smem) in cases:
+        monkeypatch.setattr(hashgrid, "PRIVATE_MIN_HITS", min_hits or hashgrid.PRIVATE_MIN_HITS)
+        monkeypatch.setattr(hashgrid, "PRIVATE_MAX_SLABS", 64)
+        monkeypatch.setattr(hashgrid, "PRIVATE_SMEM_BYTES", smem)
+        if res_host is not None:
+            l0, slabs = hashgrid.private_plan(n, res_host, size, features, smem or 4096)
+            assert n < 16 or l0 >= 1, (n, res_host)  # the private kernel really runs here
         (got,) = torch.autograd.grad(
-            hashgrid._HashEncode.apply(points, table, res, group, None, defines), table, cot)
+            hashgrid._HashEncode.apply(points, table, res, group, None, defines, res_host), table, cot)
         assert got.dtype == dtype and got.shape == table.shape
         err = (got.double() - expected.double()).abs()
         bound = 2 * counts * EPS32 * abs_sum + 1e-30
@@ -312,7 +323,8 @@ def test_kernel_backward_matches_reference(n, size, dtype):
             # 2^-10 of the value), and 2^-24 absolute in fp16's subnormal range.
             bound = bound * (1 + EPS16) + 2 * EPS16 * expected.double().abs() + 2.0**-24
         worst = (err - bound).max().item()
-        assert worst <= 0, f"{group}, {defines}: error exceeds the reordering bound by {worst}"
+        assert worst <= 0, (f"{group}, {defines}, private {min_hits} {smem}: error exceeds the "
+                            f"reordering bound by {worst}")
 
 
 @pytest.mark.gpu
@@ -420,3 +432,35 @@ def test_hashgrid_trains_on_gpu():
         losses.append(loss.item())
     assert all(math.isfinite(v) for v in losses)
     assert sum(losses[-10:]) < 0.1 * sum(losses[:10]), losses[::10]
+
+
+def test_private_plan_picks_leading_dense_levels_in_slabs(monkeypatch):
+    # The default: only levels that fit one slab (0 and 1 at 200 KiB).
+    res0 = kernels.grid_resolutions(16, 16, 2048)
+    assert [s[0] for s in hashgrid.private_plan(2**21, res0, 2**19, 2, 200 * 1024)[1]] == [0, 1]
+    monkeypatch.setattr(hashgrid, "PRIVATE_MAX_SLABS", 4)
+    res = kernels.grid_resolutions(16, 16, 2048)  # 16, 22, 30, 42, 58, 80 (hashed from here at T=2^19) ...
+    rows = [(r + 1) ** 3 for r in res]
+    # 2^21 points, 200 KiB slabs of F=2 fp32 rows (25600 rows): levels 0..3 need 1, 1, 2, 4 slabs
+    # and have >= 16 points per row (2^21 / 79507 = 26); level 4 has 10 per row: not private.
+    l0, slabs = hashgrid.private_plan(2**21, res, 2**19, 2, 200 * 1024)
+    assert l0 == 4 and [s[0] for s in slabs] == [0, 1, 2, 2, 3, 3, 3, 3]
+    for level in range(l0):  # the slabs of a level tile its rows exactly, each within the budget
+        mine = [s for s in slabs if s[0] == level]
+        assert mine[0][1] == 0 and sum(s[2] for s in mine) == rows[level]
+        assert all(a[1] + a[2] == b[1] for a, b in zip(mine, mine[1:]))
+        assert all(s[2] * 2 * 4 <= 200 * 1024 for s in mine)
+    # Fewer points: only levels with >= PRIVATE_MIN_HITS points per row; none at all for tiny batches.
+    assert hashgrid.private_plan(2**18, res, 2**19, 2, 200 * 1024)[0] == 2  # 2^18 / 29791 = 8.8 < 16
+    assert hashgrid.private_plan(1000, res, 2**19, 2, 200 * 1024) == (0, [])
+    # A hashed first level (tiny table) or no shared memory: nothing private.
+    assert hashgrid.private_plan(2**21, res, 2**12, 2, 200 * 1024) == (0, [])
+    assert hashgrid.private_plan(2**21, res, 2**19, 2, 4) == (0, [])
+
+
+def test_pack_groups_shares_blocks_between_small_slabs():
+    slabs = [(0, 0, 4913), (1, 0, 12167), (2, 0, 14896), (2, 14896, 14895)]
+    entries, offsets = hashgrid.pack_groups(slabs, 25600)
+    assert offsets == [0, 2, 3, 4]  # levels 0 + 1 in one block; each half of level 2 alone
+    assert entries[0][3] == 0 and entries[1][3] == 4913 and entries[2][3] == 0 and entries[3][3] == 0
+    assert hashgrid.pack_groups([], 100) == ([], [0])

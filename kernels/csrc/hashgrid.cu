@@ -15,6 +15,9 @@
 //   G = 8/F (4 for F = 2): a point's G levels fill one 32-byte output sector, and the blocks run
 //           row by row, so the table working set is G levels at a time (fits in L2 even for fp32).
 //
+// Backward: the coarse dense levels (see hash_encode_bwd_private) may be accumulated per block in
+// shared memory first; the host picks them (kernels/hashgrid.py, private_plan) and passes l0.
+//
 // Defines: RF_NO_STREAMING (plain stores of outputs and loads of output gradients instead of the
 // evict-first ones that keep the table and its gradient in L2; points are re-read by every block
 // row, so they are cached normally), RF_NO_PAIR_MERGE (two accesses per x-pair of corners even when
@@ -145,14 +148,16 @@ __global__ void hash_encode_fwd(const float* __restrict__ points,      // [N, 3]
 
 // grad_table is float32 whatever the table's dtype: atomics accumulate in fp32 and the Python side
 // casts to fp16 afterwards (fp16 atomics would round every partial sum to 11 bits).
+// Levels below l0 are left to hash_encode_bwd_private (the grid covers levels l0..L-1 only).
 template <int F, int G>
 __global__ void hash_encode_bwd(const float* __restrict__ points,      // [N, 3]
                                 const float* __restrict__ grad_out,    // [N, L * F]
                                 const int* __restrict__ resolutions,   // [L]
                                 float* __restrict__ grad_table,        // [L, T, F], float32, zeroed
-                                u32 N, u32 L, u32 T) {
+                                u32 N, u32 L, u32 T, u32 l0) {
   u32 n, l;
-  if (!thread_item<G>(N, L, n, l)) return;
+  if (!thread_item<G>(N, L - l0, n, l)) return;
+  l += l0;
   float g[F];
   const float* __restrict__ src = grad_out + (u64)n * L * F + (u64)l * F;
   if constexpr (F % 2 == 0) {
@@ -191,6 +196,76 @@ __global__ void hash_encode_bwd(const float* __restrict__ points,      // [N, 3]
     } else {
       atomic_add_scaled<F>(level + (u64)idx[c] * F, w[c], g);
       atomic_add_scaled<F>(level + (u64)idx[c + 1] * F, w[c + 1], g);
+    }
+  }
+}
+
+// Backward of the coarse dense levels with block-private accumulation. On a dense level of
+// (R+1)^3 rows every row collects thousands of corner updates; sending each to L2 as an atomic
+// makes those levels as costly as the hashed ones. Here a block owns a group of slabs (slab =
+// {level, first row, rows, offset in shared memory}; group g holds slabs groups[g] ..
+// groups[g+1]-1, their rows * F floats side by side in dynamic shared memory), walks a strided
+// share of all points once (each point's slabs in turn), adds the corners that fall in its slabs with shared-memory atomics,
+// and finally adds its non-zero partial sums to grad_table: one global atomic per touched row per
+// block instead of one per corner. Grid: (blocks per group, groups).
+template <int F>
+__global__ void hash_encode_bwd_private(const float* __restrict__ points,      // [N, 3]
+                                        const float* __restrict__ grad_out,    // [N, L * F]
+                                        const int* __restrict__ resolutions,   // [L]
+                                        const int* __restrict__ slabs,         // [S, 4]
+                                        const int* __restrict__ groups,        // [groups + 1]
+                                        float* __restrict__ grad_table,        // [L, T, F]
+                                        u32 N, u32 L, u32 T) {
+  extern __shared__ float acc[];
+  const int s_begin = __ldg(groups + blockIdx.y), s_end = __ldg(groups + blockIdx.y + 1);
+  const int* last = slabs + 4 * (s_end - 1);
+  const u32 total = (u32)(__ldg(last + 3) + __ldg(last + 2)) * F;  // floats in use
+  for (u32 i = threadIdx.x; i < total; i += blockDim.x) acc[i] = 0.0f;
+  __syncthreads();
+  const u32 stride = gridDim.x * blockDim.x;
+  for (u32 n = blockIdx.x * blockDim.x + threadIdx.x; n < N; n += stride) {
+    const float* __restrict__ p = points + (u64)n * 3;
+    for (int s = s_begin; s < s_end; ++s) {  // the slabs' levels share the point's output sector
+      const int* slab = slabs + 4 * s;
+      const u32 l = (u32)__ldg(slab), row0 = (u32)__ldg(slab + 1), rows = (u32)__ldg(slab + 2);
+      const float* __restrict__ src = grad_out + (u64)n * L * F + (u64)l * F;
+      float g[F];
+      bool any = false;
+#pragma unroll
+      for (int f = 0; f < F; ++f) {
+        g[f] = __ldg(src + f);
+        any |= (g[f] != 0.0f);
+      }
+      if (!any) continue;
+      float* __restrict__ mine = acc + (u32)__ldg(slab + 3) * F;
+      u32 idx[8];
+      float w[8];
+      trilinear_corners(p, max(__ldg(resolutions + l), 1), T, idx, w);
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        const u32 r = idx[c] - row0;  // wraps to a large value below the slab
+        if (r < rows) {
+#pragma unroll
+          for (int f = 0; f < F; ++f) atomicAdd(mine + r * F + f, w[c] * g[f]);
+        }
+      }
+    }
+  }
+  __syncthreads();
+  for (int s = s_begin; s < s_end; ++s) {
+    const int* slab = slabs + 4 * s;
+    const u32 l = (u32)__ldg(slab), row0 = (u32)__ldg(slab + 1), rows = (u32)__ldg(slab + 2);
+    const float* __restrict__ mine = acc + (u32)__ldg(slab + 3) * F;
+    float* __restrict__ dst = grad_table + ((u64)l * T + row0) * F;
+    for (u32 r = threadIdx.x; r < rows; r += blockDim.x) {
+      float v[F];
+      bool any = false;
+#pragma unroll
+      for (int f = 0; f < F; ++f) {
+        v[f] = mine[r * F + f];
+        any |= (v[f] != 0.0f);
+      }
+      if (any) atomic_add_features<F>(dst + (u64)r * F, v);
     }
   }
 }

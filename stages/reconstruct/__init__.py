@@ -11,12 +11,15 @@ Outs (``--out``, written by rank 0 alone): ``model.pt`` (weights + resolved conf
 loadable with ``torch.load(weights_only=True)``), ``checkpoint.pt`` (model + optimizer
 state + step), ``summary.json``; metrics (``--metrics``) and the training curve
 (``--plots``). While training, checkpoints go to ``<out>.ckpt/`` beside the out (or
-``--checkpoint-dir``); a rerun resumes from them, and success removes them.
+``--checkpoint-dir``); a rerun resumes from them, and success removes them. TensorBoard
+scalars (``reconstruct.tensorboard``) go to ``<out>.tb/`` while training and end up in
+``<out>/tensorboard/``.
 """
 from __future__ import annotations
 
 import logging
 import platform
+import shutil
 from pathlib import Path
 
 import torch
@@ -78,11 +81,20 @@ def run(
         from .telemetry import MetricsServer
 
         metrics = MetricsServer(dp.metrics_port, dp.metrics_addr, ctx.world_size, ctx.restart_count, params.steps)
+    tb = tb_dir = None
+    if ctx.is_main and params.tensorboard:
+        from .telemetry import TensorBoardLog
+
+        tb_dir = Path(str(Path(out_dir)) + ".tb")
+        tb = TensorBoardLog(tb_dir)
     try:
-        result = train(params, scene, device, seed, progress=progress, ctx=ctx, checkpoints=store, metrics=metrics)
+        result = train(params, scene, device, seed, progress=progress, ctx=ctx, checkpoints=store, metrics=metrics,
+                       tensorboard=tb)
     finally:
         if metrics is not None:
             metrics.close()
+        if tb is not None:
+            tb.close()
     method = result.method
     config = to_dict(params)
     comm = result.step_comm_s
@@ -126,6 +138,8 @@ def run(
                 tmp / "checkpoint.pt",
             )
             atomic_write_json(tmp / "summary.json", summary)
+            if tb_dir is not None and tb_dir.is_dir():
+                shutil.copytree(tb_dir, tmp / "tensorboard")
         if plots_path:
             atomic_write_text(plots_path, result.csv_text())
         if metrics_path:
@@ -134,6 +148,8 @@ def run(
                 "num_params", "peak_gpu_memory_bytes", "final_train_psnr", "final_test_psnr_sampled")})
         if store is not None:
             store.remove()  # the outs are complete: nothing left to resume
+        if tb_dir is not None:
+            shutil.rmtree(tb_dir, ignore_errors=True)  # its events now live in <out>/tensorboard
         log.info("wrote %s (%.1f s of training, %d parameters, %d process(es))", out_dir, result.train_time_s,
                  method.num_params, ctx.world_size)
     if ctx.active:

@@ -66,6 +66,8 @@ class DistributedParams:
     micro_batches: int = 1  # gradient accumulation: batch_rays split in this many, one all-reduce
     lr_scaling: Literal["sqrt", "linear", "none"] = "sqrt"  # learning rate x f(world_size)
     grad_sync: Literal["dense", "sparse", "auto"] = "dense"  # all-reduce of the gradients
+    overlap_comm: bool = True  # start each gradient bucket's all-reduce during backward (dense buckets)
+    grad_wire_dtype: Literal["float32", "bfloat16"] = "float32"  # dense buckets sent (and summed) in this type
     checkpoint_every: int = 500  # steps; 0 = never
     max_restarts: int = 3  # torchrun restarts of the whole worker group after a failure
     replica_check_every: int = 100  # steps between checksum comparisons; 0 = at checkpoints and the end only
@@ -96,6 +98,7 @@ class ReconstructParams:
     steps: int = 2500
     batch_rays: int = 4096
     eval_every: int = 250
+    tensorboard: bool = True  # scalars in <out>.tb/ while training, kept in <out>/tensorboard/ at the end
     nerf: NerfParams = field(default_factory=NerfParams)
     distributed: DistributedParams = field(default_factory=DistributedParams)
 

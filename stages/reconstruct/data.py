@@ -38,6 +38,9 @@ class Scene:
     train: PosedImages
     test: PosedImages
     aabb: torch.Tensor  # [2, 3]
+    # Known background colour (RGB in [0, 1]) when the images were composited on one (transforms.json
+    # "background": "white" | "black", e.g. nerf_synthetic); None: the model learns it.
+    background: tuple[float, float, float] | None = None
 
 
 def load_scene(poses_dir: str | Path) -> Scene:
@@ -82,7 +85,10 @@ def load_scene(poses_dir: str | Path) -> Scene:
             raise ValueError(f"{poses_dir}/transforms.json: aabb must be [[min x,y,z],[max x,y,z]], got {doc['aabb']}")
     else:  # cameras are normalized to the unit sphere; assume the scene lies within it
         aabb = torch.tensor([[-1.0, -1.0, -1.0], [1.0, 1.0, 1.0]])
-    return Scene(train, test, aabb)
+    bg = doc.get("background")
+    known = {"white": (1.0, 1.0, 1.0), "black": (0.0, 0.0, 0.0)}
+    background = known.get(bg) if isinstance(bg, str) else None
+    return Scene(train, test, aabb, background)
 
 
 def pixel_rays(

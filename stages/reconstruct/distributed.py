@@ -226,32 +226,47 @@ def check_replicas(ctx: DistContext, named: Sequence[tuple[str, torch.Tensor]], 
 class GradReducer:
     """Average the gradients of ``params`` over all ranks (and micro-batches).
 
-    ``mode`` ``dense``: the gradients, in order, are copied into flat buckets of about
+    ``mode`` ``dense``: the gradients are copied into flat buckets of about
     :data:`BUCKET_BYTES` and all-reduced (sum). ``sparse``: a gradient with at least
     :data:`SPARSE_MIN_NUMEL` elements is exchanged as the indices and values of its
     non-zero rows (all-gather), then summed rank by rank in the same order on every
     rank, so the result is identical everywhere; ``auto`` does that only when the
     gathered rows are fewer bytes than a ring all-reduce of the dense tensor moves.
 
+    ``overlap``: buckets are filled in the order backward produces gradients (the
+    reverse of the parameters' order, as in DDP) and each bucket's all-reduce starts,
+    asynchronously, from a post-accumulate-grad hook as soon as its last gradient is
+    in, so communication runs while backward computes the rest. Call :meth:`arm`
+    before the backward of the last micro-batch; :meth:`reduce` launches whatever
+    is left, waits and scales. The sums are the same as without overlap.
+
+    ``wire_dtype`` (e.g. ``torch.bfloat16``): dense buckets travel in that type and
+    are summed in it (half the bytes; the rounding of a bf16 gradient), then
+    converted back.
+
     A missing gradient (``None``) counts as zeros, so ranks whose rays missed a
     parameter still take part.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], ctx: DistContext, mode: str = "dense",
-                 bucket_bytes: int = BUCKET_BYTES):
+                 bucket_bytes: int = BUCKET_BYTES, overlap: bool = False,
+                 wire_dtype: torch.dtype | None = None):
         if mode not in ("dense", "sparse", "auto"):
             raise ValueError(f"grad_sync must be dense, sparse or auto, got {mode!r}")
-        self.ctx, self.mode = ctx, mode
+        self.ctx, self.mode, self.wire_dtype = ctx, mode, wire_dtype
         self.params = list(params)
         self.sparse_idx = [i for i, p in enumerate(self.params)
                            if mode != "dense" and p.numel() >= SPARSE_MIN_NUMEL and p.dim() >= 2]
         sparse = set(self.sparse_idx)
+        self.overlap = bool(overlap) and ctx.active
+        order = range(len(self.params) - 1, -1, -1) if self.overlap else range(len(self.params))
         self.buckets: list[list[int]] = []
         cur: list[int] = []
         cur_bytes = 0
-        for i, p in enumerate(self.params):
+        for i in order:
             if i in sparse:
                 continue
+            p = self.params[i]
             nbytes = p.numel() * p.element_size()
             if cur and (cur_bytes + nbytes > bucket_bytes or p.dtype != self.params[cur[0]].dtype):
                 self.buckets.append(cur)
@@ -261,11 +276,49 @@ class GradReducer:
         if cur:
             self.buckets.append(cur)
         self.sparse_steps = 0  # how often a gradient went the sparse way (auto mode)
+        self._armed = False
+        self._pending: list[int] = []
+        self._inflight: dict[int, tuple[torch.Tensor, Any]] = {}
+        self._hooks = []
+        if self.overlap:
+            bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
+            for i, p in enumerate(self.params):
+                if i in bucket_of:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(bucket_of[i])))
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         return p.grad
+
+    def _hook(self, b: int):
+        def fire(_p: torch.Tensor) -> None:
+            if not self._armed:
+                return
+            self._pending[b] -= 1
+            if self._pending[b] == 0:
+                self._launch(b)
+        return fire
+
+    def arm(self) -> None:
+        """The next backward is the step's last: start each bucket's all-reduce when it is complete."""
+        if self.overlap:
+            self._armed = True
+            self._pending = [len(bucket) for bucket in self.buckets]
+            self._inflight = {}
+
+    @torch.no_grad()
+    def _launch(self, b: int) -> None:
+        grads = [self._grad(self.params[i]) for i in self.buckets[b]]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.wire_dtype is not None and flat.dtype != self.wire_dtype:
+            flat = flat.to(self.wire_dtype)
+        self._inflight[b] = (flat, dist.all_reduce(flat, async_op=True))
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     @torch.no_grad()
     def reduce(self, scale: float, extras: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -273,7 +326,8 @@ class GradReducer:
 
         Args:
             scale: factor applied after the sum.
-            extras: [k] float32 statistics (loss, samples) summed over ranks alongside.
+            extras: [k] float32 statistics (loss, samples) summed over ranks alongside
+                (in a bucket of their own, never in the wire dtype).
 
         Returns:
             the summed ``extras`` (unscaled), or None.
@@ -284,26 +338,28 @@ class GradReducer:
                     if p.grad is not None:
                         p.grad.mul_(scale)
             return extras
-        extras_done = extras is None
+        self._armed = False
+        if not self.overlap:
+            self._inflight = {}
+        for b in range(len(self.buckets)):
+            if b not in self._inflight:  # not armed, or a parameter got no gradient this step
+                self._launch(b)
+        extras_work = None
+        if extras is not None:
+            extras = extras.clone()
+            extras_work = dist.all_reduce(extras, async_op=True)
         for b, bucket in enumerate(self.buckets):
-            grads = [self._grad(self.params[i]) for i in bucket]
-            parts = [g.reshape(-1) for g in grads]
-            tail = b == len(self.buckets) - 1 and not extras_done and extras.dtype == grads[0].dtype
-            if tail:
-                parts.append(extras.to(grads[0].device).reshape(-1))
-            flat = torch.cat(parts)
-            dist.all_reduce(flat)
+            flat, work = self._inflight[b]
+            work.wait()
             off = 0
-            for g in grads:
+            for i in bucket:
+                g = self.params[i].grad
                 n = g.numel()
                 g.copy_(flat[off: off + n].view_as(g)).mul_(scale)
                 off += n
-            if tail:
-                extras = flat[off:].clone()
-                extras_done = True
-        if not extras_done:
-            extras = extras.clone()
-            dist.all_reduce(extras)
+        self._inflight = {}
+        if extras_work is not None:
+            extras_work.wait()
         for i in self.sparse_idx:
             self._reduce_rows(self._grad(self.params[i]), scale)
         return extras

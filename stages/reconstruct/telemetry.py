@@ -8,6 +8,9 @@ otherwise; ``metrics_port: 0`` turns it off. Metrics (all gauges):
 * ``rayforge_reconstruct_loss``, ``_train_psnr``, ``_test_psnr``
 * ``rayforge_reconstruct_samples_per_second{rank}``, ``_rays_per_second{rank}``
 * ``rayforge_reconstruct_step_compute_seconds{rank}``, ``_step_comm_seconds{rank}`` (mean per step)
+* ``rayforge_reconstruct_gpu_memory_peak_bytes{rank}``
+
+:class:`TensorBoardLog` writes the same numbers as TensorBoard scalars.
 """
 from __future__ import annotations
 
@@ -106,6 +109,7 @@ class MetricsServer:
         self.rays = Gauge(p + "rays_per_second", "training rays per second", ["rank"], registry=reg)
         self.compute = Gauge(p + "step_compute_seconds", "mean compute time per step", ["rank"], registry=reg)
         self.comm = Gauge(p + "step_comm_seconds", "mean communication time per step", ["rank"], registry=reg)
+        self.mem = Gauge(p + "gpu_memory_peak_bytes", "peak GPU memory allocated by torch", ["rank"], registry=reg)
         try:
             self.server, self._thread = start_http_server(port, addr=addr, registry=reg)
         except OSError as exc:
@@ -115,13 +119,15 @@ class MetricsServer:
 
     def update(self, step: int, loss: float, psnr: float, test_psnr: float | None,
                per_rank: list[list[float]]) -> None:
-        """``per_rank``: [samples/s, rays/s, compute s/step, comm s/step] for each rank."""
+        """``per_rank``: [samples/s, rays/s, compute s/step, comm s/step, peak GPU GB] for each rank."""
         self.step.set(step)
         self.loss.set(loss)
         self.psnr.set(psnr)
         if test_psnr is not None:
             self.test_psnr.set(test_psnr)
-        for r, (sps, rps, comp, comm) in enumerate(per_rank):
+        for r, (sps, rps, comp, comm, *rest) in enumerate(per_rank):
+            if rest and rest[0] > 0:
+                self.mem.labels(rank=str(r)).set(rest[0] * 1e9)
             self.samples.labels(rank=str(r)).set(sps)
             self.rays.labels(rank=str(r)).set(rps)
             self.compute.labels(rank=str(r)).set(comp)
@@ -130,3 +136,50 @@ class MetricsServer:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class TensorBoardLog:
+    """Rank 0's training scalars as TensorBoard event files (``tensorboard --logdir <folder>``).
+
+    Tags: ``train/loss``, ``train/psnr``, ``train/lr``, ``test/psnr`` (sampled held-out rays),
+    ``throughput/samples_per_s`` and ``throughput/rays_per_s`` (all ranks together),
+    ``rank<r>/samples_per_s``, ``rank<r>/step_compute_ms``, ``rank<r>/step_comm_ms`` and, on a
+    GPU, ``rank<r>/gpu_mem_peak_gb``. When the ``tensorboard`` package is missing the log is
+    off with a warning (the training itself does not need it).
+    """
+
+    def __init__(self, folder):
+        self.writer = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:  # tensorboard not installed (e.g. a bare GPU host)
+            log.warning("TensorBoard scalars are off: %s (pip install tensorboard)", exc)
+            return
+        self.folder = folder
+        self.writer = SummaryWriter(log_dir=str(folder), flush_secs=10)
+        log.info("TensorBoard scalars in %s (tensorboard --logdir %s)", folder, folder)
+
+    def update(self, row: dict, per_rank: list[list[float]]) -> None:
+        """``row``: a train.csv row; ``per_rank``: [samples/s, rays/s, compute s, comm s, peak GB] per rank."""
+        if self.writer is None:
+            return
+        w, step = self.writer, int(row["step"])
+        w.add_scalar("train/loss", row["loss"], step)
+        w.add_scalar("train/psnr", row["psnr"], step)
+        w.add_scalar("train/lr", row["lr"], step)
+        if row.get("test_psnr") is not None:
+            w.add_scalar("test/psnr", row["test_psnr"], step)
+        if per_rank:
+            w.add_scalar("throughput/samples_per_s", sum(v[0] for v in per_rank), step)
+            w.add_scalar("throughput/rays_per_s", sum(v[1] for v in per_rank), step)
+        for r, v in enumerate(per_rank):
+            w.add_scalar(f"rank{r}/samples_per_s", v[0], step)
+            w.add_scalar(f"rank{r}/step_compute_ms", 1e3 * v[2], step)
+            w.add_scalar(f"rank{r}/step_comm_ms", 1e3 * v[3], step)
+            if len(v) > 4 and v[4] > 0:
+                w.add_scalar(f"rank{r}/gpu_mem_peak_gb", v[4], step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None

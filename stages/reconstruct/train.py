@@ -33,6 +33,7 @@ import csv
 import io
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -49,7 +50,7 @@ from .distributed import (
     check_replicas, lr_scale, method_buffers, named_state, scale_learning_rates,
 )
 from .nerf.method import NerfMethod
-from .telemetry import MetricsServer, StepTimer
+from .telemetry import MetricsServer, StepTimer, TensorBoardLog
 
 log = logging.getLogger("stages.reconstruct.train")
 
@@ -61,9 +62,10 @@ _STREAMS = 1_000_003
 _SHARED = _STREAMS - 1
 
 
-def build_method(params: ReconstructParams, aabb: torch.Tensor, device: torch.device) -> NerfMethod:
+def build_method(params: ReconstructParams, aabb: torch.Tensor, device: torch.device,
+                 background: tuple[float, float, float] | None = None) -> NerfMethod:
     if params.method == "nerf":
-        return NerfMethod(params, aabb, device)
+        return NerfMethod(params, aabb, device, background)
     raise ValueError(f"reconstruct.method: unknown method {params.method!r}")
 
 
@@ -85,7 +87,7 @@ class TrainResult:
     resumed_from_step: int | None = None
     step_compute_s: float | None = None  # mean over the run, this rank
     step_comm_s: float | None = None
-    per_rank: list[list[float]] = field(default_factory=list)  # last [samples/s, rays/s, compute, comm]
+    per_rank: list[list[float]] = field(default_factory=list)  # last [samples/s, rays/s, compute, comm, peak GB]
 
     def csv_text(self) -> str:
         buf = io.StringIO()
@@ -173,6 +175,49 @@ def _resume(checkpoints: CheckpointStore, expect: Expectation, ctx: DistContext)
                          "the checkpoint folder must be on a filesystem every host sees (--checkpoint-dir)") from None
 
 
+class StepProfiler:
+    """``RAYFORGE_PROFILE=<folder>`` profiles the steps ``RAYFORGE_PROFILE_STEPS`` (``a:b``,
+    default ``20:40``) with torch.profiler and writes, per rank, the op tables (by GPU and by
+    CPU time) to ``<folder>/rank<r>.txt`` and, with ``RAYFORGE_PROFILE_TRACE=1``, a Chrome trace to
+    ``<folder>/trace_rank<r>.json``."""
+
+    def __init__(self, rank: int, device: torch.device):
+        self.folder = os.environ.get("RAYFORGE_PROFILE")
+        a, _, b = os.environ.get("RAYFORGE_PROFILE_STEPS", "20:40").partition(":")
+        self.first, self.last = int(a), int(b)
+        self.rank, self.device, self.prof = rank, device, None
+
+    def at(self, step: int) -> None:
+        if not self.folder:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        if step == self.first and self.prof is None:
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+        elif self.prof is not None and step >= self.last:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.prof.__exit__(None, None, None)
+            from pathlib import Path
+
+            out = Path(self.folder)
+            out.mkdir(parents=True, exist_ok=True)
+            ka = self.prof.key_averages()
+            n = step - self.first
+            text = [f"rank {self.rank}: steps {self.first}..{step} ({n} steps)"]
+            if self.device.type == "cuda":
+                text.append(ka.table(sort_by="self_cuda_time_total", row_limit=35))
+            text.append(ka.table(sort_by="self_cpu_time_total", row_limit=35))
+            (out / f"rank{self.rank}.txt").write_text("\n\n".join(text))
+            if os.environ.get("RAYFORGE_PROFILE_TRACE"):
+                self.prof.export_chrome_trace(str(out / f"trace_rank{self.rank}.json"))
+            self.prof = None
+            self.folder = None
+            log.info("profile of steps %d..%d written to %s", self.first, step, out)
+
+
 def train(
     params: ReconstructParams,
     scene: Scene,
@@ -183,6 +228,7 @@ def train(
     ctx: DistContext | None = None,
     checkpoints: CheckpointStore | None = None,
     metrics: MetricsServer | None = None,
+    tensorboard: TensorBoardLog | None = None,
 ) -> TrainResult:
     """Train ``params.method`` on ``scene``; see the module docstring for the distributed part.
 
@@ -190,6 +236,7 @@ def train(
         ctx: this process's place in the worker group (None: a single process).
         checkpoints: where to write and resume checkpoints (None: neither).
         metrics: rank 0's Prometheus gauges (None: off).
+        tensorboard: rank 0's TensorBoard scalars (None: off).
     """
     ctx = ctx or DistContext(device=device)
     dp = params.distributed
@@ -199,7 +246,7 @@ def train(
                          f"reconstruct.distributed.micro_batches ({M})")
     micro_rays = params.batch_rays // M
     torch.manual_seed(seed * _STREAMS)  # every rank initialises as rank 0 would (and rank 0's copy is broadcast)
-    method = build_method(params, scene.aabb, device)
+    method = build_method(params, scene.aabb, device, scene.background)
     scheduler = getattr(method, "scheduler", None)
     factor = lr_scale(dp.lr_scaling, world)
     scale_learning_rates(method.optimizer, scheduler, factor)
@@ -207,9 +254,10 @@ def train(
     rng = _Rng(seed, ctx, M, device if device.type == "cuda" else torch.device("cpu"))
     train_views = scene.train.to(device)
     test_views = scene.test.to(device)
-    scene_dev = Scene(train_views, test_views, scene.aabb)
+    scene_dev = Scene(train_views, test_views, scene.aabb, scene.background)
     samplers = [RaySampler(train_views, g) for g in rng.shards]
-    reducer = GradReducer(method.parameters(), ctx, dp.grad_sync)
+    reducer = GradReducer(method.parameters(), ctx, dp.grad_sync, overlap=dp.overlap_comm,
+                          wire_dtype=None if dp.grad_wire_dtype == "float32" else getattr(torch, dp.grad_wire_dtype))
 
     res = TrainResult(method, world_size=world, lr_scale=factor)
     start, prior_elapsed, prior_samples = 0, 0.0, 0.0
@@ -244,36 +292,41 @@ def train(
         )
     timer = StepTimer(device)
     sums = torch.zeros(2, device=device)  # [loss, samples] summed over ranks and steps of this session
-    local_samples = 0
+    local_acc = torch.zeros((), dtype=torch.float64, device=device)  # this rank's samples, summed on the device
     run_compute = run_comm = 0.0
     run_steps = 0
     mark_t, mark_samples, mark_step = time.perf_counter(), 0, start
     t0 = time.perf_counter()
     bar = tqdm(range(start, params.steps), desc="reconstruct", unit="step", initial=start, total=params.steps,
                disable=not (progress and ctx.is_main), mininterval=2.0)
+    prof = StepProfiler(ctx.rank, device)
     for step in bar:
         done = step + 1
+        prof.at(step)
         timer.begin_step()
         if method.step_pre_forward(step, rng.grid) is not None and ctx.active:
             timer.comm_begin()
             broadcast_tensors_(ctx, [t for _, t in method_buffers(method)])
             timer.comm_end()
-        loss_acc, step_samples = None, 0
+        loss_acc = samples_acc = None
         for m in range(M):
             o, d, rgb = samplers[m].sample(micro_rays)
             loss, info = method.loss(o, d, rgb, rng.shards[m])
+            if m == M - 1:
+                reducer.arm()  # gradient buckets start their all-reduce as backward completes them
             loss.backward()
             mse = info["mse"].float().reshape(())
+            ns = torch.as_tensor(info["num_samples"], device=mse.device).float().reshape(())
             loss_acc = mse if loss_acc is None else loss_acc + mse
-            step_samples += int(info["num_samples"])
-        extras = torch.stack([loss_acc, torch.tensor(float(step_samples), device=loss_acc.device)])
+            samples_acc = ns if samples_acc is None else samples_acc + ns  # stays on the device: no sync
+        extras = torch.stack([loss_acc, samples_acc])
         timer.comm_begin()
         extras = reducer.reduce(1.0 / (M * world), extras)
         timer.comm_end()
         method.optimizer_step()
         timer.end_step()
         sums += extras.to(sums.device)
-        local_samples += step_samples
+        local_acc += samples_acc
 
         last = done == params.steps
         ckpt_now = (checkpoints is not None and dp.checkpoint_every > 0 and done % dp.checkpoint_every == 0
@@ -297,8 +350,10 @@ def train(
             comp, comm, n = timer.flush()
             run_compute, run_comm, run_steps = run_compute + comp, run_comm + comm, run_steps + n
             wall = max(time.perf_counter() - mark_t, 1e-9)
+            local_samples = float(local_acc)
+            peak_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0
             mine = torch.tensor([(local_samples - mark_samples) / wall, (done - mark_step) * params.batch_rays / wall,
-                                 comp / max(n, 1), comm / max(n, 1)], dtype=torch.float64,
+                                 comp / max(n, 1), comm / max(n, 1), peak_gb], dtype=torch.float64,
                                 device=ctx.device if ctx.backend == "nccl" else "cpu")
             res.per_rank = all_gather_tensor(ctx, mine).cpu().tolist()
             mark_t, mark_samples, mark_step = time.perf_counter(), local_samples, done
@@ -310,10 +365,12 @@ def train(
                 if world > 1:
                     log.info("per rank: %s", "; ".join(
                         f"rank {r}: {sps:,.0f} samples/s, step {1e3 * (c + cm):.1f} ms = {1e3 * c:.1f} compute + "
-                        f"{1e3 * cm:.1f} comm" for r, (sps, _, c, cm) in enumerate(res.per_rank)))
+                        f"{1e3 * cm:.1f} comm" for r, (sps, _, c, cm, *_) in enumerate(res.per_rank)))
             res.rows.append(row)
             if metrics is not None:
                 metrics.update(done, loss_now, row["psnr"], row["test_psnr"], res.per_rank)
+            if tensorboard is not None:
+                tensorboard.update(row, res.per_rank)
             bar.set_postfix(loss=f"{loss_now:.4f}", psnr=f"{row['psnr']:.2f}")
 
         if ckpt_now:
@@ -330,6 +387,8 @@ def train(
                 })
                 log.debug("checkpoint of step %d written to %s", done, checkpoints.folder)
     bar.close()
+    prof.at(params.steps)
+    reducer.close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     comp, comm, n = timer.flush()

@@ -87,8 +87,12 @@ class NerfField(nn.Module):
             nn.ReLU(inplace=True),
             nn.Linear(h, 3),
         )
-        # Learned background colour for rays that leave the box unoccluded.
+        # Learned background colour for rays that leave the box unoccluded, unless the images were
+        # composited on a known one (fixed_background >= 0, set by the method; saved with the model).
+        # A learned one starting at grey lets the field paint a white background into the box as
+        # floaters (nerf_synthetic lego: 14 dB test PSNR) before the colour has moved to white.
         self.background = nn.Parameter(torch.zeros(3))
+        self.register_buffer("fixed_background", torch.full((3,), -1.0))
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         return (x - self.aabb[0]) / (self.aabb[1] - self.aabb[0])
@@ -108,4 +112,5 @@ class NerfField(nn.Module):
         return sigma, rgb
 
     def background_rgb(self) -> torch.Tensor:
-        return torch.sigmoid(self.background)
+        fixed = self.fixed_background
+        return torch.where(fixed >= 0, fixed, torch.sigmoid(self.background))  # no host read: no sync
