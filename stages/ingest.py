@@ -1,12 +1,15 @@
 """Ingest a folder of photos: one clean 8-bit RGB PNG per usable photo, and a manifest.
 
-Every file of the photo folder (not its subfolders), in name order:
+Every file of the photo folder (with ``recursive: true`` also of its subfolders, the source
+name then keeping its folders, e.g. ``train/r_0.png``), in name order:
 
 * an image (jpg, jpeg, png, tif, tiff, bmp, webp; any case) is decoded with Pillow, turned
   upright by its EXIF orientation, converted to 8-bit RGB (grayscale, palette, CMYK, 16-bit
-  and float images are scaled properly; an alpha channel is dropped and noted) and, with
-  ``max_size > 0``, shrunk (Lanczos) so its longest side is ``max_size``; it is written as
-  ``<out>/images/<stem>.png`` (``<stem>-2.png`` ... when two photos share a stem);
+  and float images are scaled properly; an alpha channel is dropped, or with ``alpha: white``
+  / ``black`` composited on that colour, and noted) and, with ``max_size > 0``, shrunk
+  (Lanczos) so its longest side is ``max_size``; it is written as ``<out>/images/<stem>.png``
+  (``<stem>-2.png`` ... when two photos share a stem; in a subfolder the stem is prefixed with
+  the folders, ``train_r_0.png``);
 * a corrupt, truncated or empty image, a byte-identical copy of an earlier photo, and any
   other file are skipped, each with its reason in the manifest;
 * ``ground_truth.json`` (the generated scene's cameras, see docs/contracts.md) is checked
@@ -28,11 +31,12 @@ import hashlib
 import io
 import json
 import logging
+import os
 import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -55,6 +59,11 @@ class IngestParams:
     photos: str = "data/scene/images"  # the photo folder (dvc.yaml passes it as --photos too)
     max_size: int = 0  # longest side after ingest; 0 keeps the photos' size
     min_images: int = 3
+    # also ingest the subfolders' photos (e.g. a Blender layout's train/ and test/)
+    recursive: bool = False
+    # what becomes of an alpha channel: drop it (keep the colour), or composite on white / black
+    # (white for the nerf_synthetic / Blender scenes)
+    alpha: Literal["drop", "white", "black"] = "drop"
 
     def __post_init__(self) -> None:
         P.check(bool(self.photos.strip()), "photos", "must name a folder", self.photos)
@@ -65,8 +74,12 @@ class IngestParams:
 # ---------------------------------------------------------------- one image
 
 
-def to_rgb8(img, notes: list[str]):
-    """An 8-bit RGB copy of a Pillow image of any mode; what was lost goes in ``notes``."""
+def to_rgb8(img, notes: list[str], alpha: str = "drop"):
+    """An 8-bit RGB copy of a Pillow image of any mode; what was lost goes in ``notes``.
+
+    ``alpha``: ``drop`` keeps the colour under a transparent pixel as it is; ``white`` /
+    ``black`` composite the (straight) alpha over that background.
+    """
     from PIL import Image
 
     mode = img.mode
@@ -88,6 +101,11 @@ def to_rgb8(img, notes: list[str]):
         a = np.clip(np.round(np.nan_to_num(a)), 0, 255).astype(np.uint8)
         return Image.fromarray(a, mode="L").convert("RGB")
     if mode in ("RGBA", "LA", "PA", "RGBa", "La") or (mode == "P" and "transparency" in img.info):
+        if alpha in ("white", "black"):
+            rgba = img.convert("RGBA")
+            bg = Image.new("RGBA", rgba.size, (255, 255, 255, 255) if alpha == "white" else (0, 0, 0, 255))
+            notes.append(f"alpha composited on {alpha}")
+            return Image.alpha_composite(bg, rgba).convert("RGB")
         notes.append("alpha channel dropped")
         if mode == "P":
             img = img.convert("RGBA")
@@ -100,7 +118,7 @@ def to_rgb8(img, notes: list[str]):
         return img.convert("RGB")
 
 
-def load_photo(data: bytes, max_size: int) -> tuple[Any, int, tuple[int, int], list[str]]:
+def load_photo(data: bytes, max_size: int, alpha: str = "drop") -> tuple[Any, int, tuple[int, int], list[str]]:
     """Decode, turn upright, convert and shrink one photo.
 
     Returns (RGB image, EXIF orientation, upright source size (w, h), notes); raises
@@ -122,7 +140,7 @@ def load_photo(data: bytes, max_size: int) -> tuple[Any, int, tuple[int, int], l
             notes.append(f"invalid EXIF orientation {orientation} ignored")
             orientation = 1
         upright = ImageOps.exif_transpose(im) if orientation != 1 else im.copy()
-    rgb = to_rgb8(upright, notes)
+    rgb = to_rgb8(upright, notes, alpha)
     src_size = rgb.size
     w, h = src_size
     if max_size and max(w, h) > max_size:
@@ -210,6 +228,21 @@ def restrict_ground_truth(gt: dict, path: Path, images: list[dict]) -> dict:
 # ---------------------------------------------------------------- stage
 
 
+def list_photos(photos_dir: Path, recursive: bool) -> list[tuple[str, Path]]:
+    """(source name, path) of every entry to consider, sorted by source name. Top level: files
+    and folders; recursive: the files of every subfolder too (folder symlinks not followed),
+    named by their POSIX path below ``photos_dir``."""
+    if not recursive:
+        return sorted(((p.name, p) for p in photos_dir.iterdir()), key=lambda e: e[0])
+    found = []
+    for dirpath, dirnames, filenames in os.walk(photos_dir):
+        dirnames.sort()
+        rel = Path(dirpath).relative_to(photos_dir)
+        links = [d for d in dirnames if (Path(dirpath) / d).is_symlink()]  # listed, to be skipped
+        found += [((rel / f).as_posix(), Path(dirpath) / f) for f in filenames + links]
+    return sorted(found, key=lambda e: e[0])
+
+
 def _skip(skipped: list[dict], source: str, reason: str, log: logging.Logger) -> None:
     skipped.append({"source": source, "reason": reason})
     log.warning("skipped %s: %s", source, reason)
@@ -231,7 +264,7 @@ def run(params: IngestParams, photos_dir: str | Path, out_dir: str | Path, log: 
             raise ValueError(f"photo folder not found: {photos_dir}")
         if not photos_dir.is_dir():
             raise ValueError(f"photo folder is not a folder: {photos_dir}")
-        entries = sorted(photos_dir.iterdir(), key=lambda p: p.name)
+        entries = list_photos(photos_dir, params.recursive)
         if not entries:
             raise ValueError(f"photo folder is empty: {photos_dir}")
         (tmp / "images").mkdir()
@@ -240,10 +273,10 @@ def run(params: IngestParams, photos_dir: str | Path, out_dir: str | Path, log: 
         seen: dict[str, str] = {}  # sha256 of source bytes -> first source
         used: set[str] = set()
         gt_path = None
-        for path in entries:
-            name = path.name
+        for name, path in entries:
             if path.is_dir():
-                _skip(skipped, name, "a folder (subfolders are not searched)", log)
+                _skip(skipped, name, "a link to a folder (not followed)" if params.recursive
+                      else "a folder (subfolders are not searched; ingest.recursive: true would)", log)
                 continue
             if name == GROUND_TRUTH:
                 gt_path = path
@@ -268,14 +301,14 @@ def run(params: IngestParams, photos_dir: str | Path, out_dir: str | Path, log: 
                 _skip(skipped, name, f"duplicate of {seen[digest]} (identical bytes)", log)
                 continue
             try:
-                rgb, orientation, (sw, sh), notes = load_photo(data, params.max_size)
+                rgb, orientation, (sw, sh), notes = load_photo(data, params.max_size, params.alpha)
             except (OSError, ValueError, SyntaxError, EOFError, UnidentifiedImageError,
                     Image.DecompressionBombError) as exc:
                 reason = "not a readable image" if isinstance(exc, UnidentifiedImageError) else str(exc)
                 _skip(skipped, name, f"corrupt or truncated image: {reason}", log)
                 continue
             seen[digest] = name
-            out_name = unique_name(path.stem, used)
+            out_name = unique_name(Path(name).with_suffix("").as_posix().replace("/", "_"), used)
             png = png_bytes(rgb)
             (tmp / "images" / out_name).write_bytes(png)
             images.append({

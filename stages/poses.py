@@ -14,11 +14,24 @@ Reads ``<ingest>/manifest.json`` and ``<ingest>/images/*.png`` and writes ``<out
 and the metrics file (registration, reprojection error, track length, step times and, when
 ``<ingest>/ground_truth.json`` exists, the pose error after a similarity alignment).
 
-Determinism: images enter the database one by one in sorted-name order before extraction, so
-image ids never depend on thread timing; SIFT on the CPU is deterministic per image (extraction
-stays multi-threaded); matching and mapping run on one thread each; every RANSAC (two-view
+Options (params.yaml ``poses``): SIFT on the GPU when pycolmap has CUDA (``device``), at most
+``max_features`` per image, optionally on images shrunk to ``sift_max_size``; exhaustive or
+sequential matching; the incremental or the global (GLOMAP) mapper; one shared camera or one per
+image size (``camera_mode``) of model SIMPLE_PINHOLE, PINHOLE, SIMPLE_RADIAL or OPENCV; known
+intrinsics (from the params or the ingest's ground truth) as a prior or held fixed. When the
+mapper makes several models the largest is kept and the others are reported.
+
+Determinism: images enter the database in sorted-name order before extraction, so image ids
+never depend on thread timing; SIFT on the CPU is deterministic per image (extraction stays
+multi-threaded); matching and mapping run on one thread each; every RANSAC (two-view
 verification, mapper, triangulator) is seeded from ``seed``. Identical inputs, params and library
-versions gave bit-identical models in repeated runs.
+versions gave bit-identical models in repeated runs on the CPU (GPU SIFT is not checked for this).
+
+Imports (``source: colmap | transforms | llff``): no SfM; the cameras come from
+``camera_file`` (a COLMAP model, a ``transforms.json`` / Blender folder, or LLFF's
+``poses_bounds.npy``), are matched to the ingested images by source name (LLFF: sorted-name
+order) and written as the same outs, with a given train/test split kept
+(``stages/importers/``, docs/contracts.md).
 
 Usage::
 
@@ -47,7 +60,13 @@ from .common.log import setup
 log = logging.getLogger("stages.poses")
 
 PINHOLE_MODELS = ("SIMPLE_PINHOLE", "PINHOLE")  # no distortion: images are copied as they are
-NOT_IMPLEMENTED_SOURCES = ("colmap", "transforms", "llff")
+NOT_IMPLEMENTED_SOURCES: tuple[str, ...] = ()
+IMPORT_SOURCES = ("colmap", "transforms", "llff")  # cameras read by stages/importers/
+# COLMAP parameter layouts of the camera models offered (the distortion terms come last)
+CAMERA_PARAM_NAMES = {"SIMPLE_PINHOLE": "f, cx, cy", "PINHOLE": "fx, fy, cx, cy", "SIMPLE_RADIAL": "f, cx, cy, k",
+                      "OPENCV": "fx, fy, cx, cy, k1, k2, p1, p2"}
+NUM_CAMERA_PARAMS = {m: len(v.split(", ")) for m, v in CAMERA_PARAM_NAMES.items()}
+NUM_DISTORTION = {"SIMPLE_PINHOLE": 0, "PINHOLE": 0, "SIMPLE_RADIAL": 1, "OPENCV": 4}
 
 
 @dataclass(frozen=True)
@@ -55,6 +74,9 @@ class PosesParams:
     """``poses`` section of params.yaml."""
 
     source: Literal["sfm", "colmap", "transforms", "llff"] = "sfm"
+    # for the import sources: a COLMAP model folder, a transforms.json (or a Blender folder with
+    # transforms_train.json) or a poses_bounds.npy; relative to the working directory
+    camera_file: str = ""
     camera_model: Literal["SIMPLE_PINHOLE", "PINHOLE", "SIMPLE_RADIAL", "OPENCV"] = "PINHOLE"
     max_features: int = 8192
     matcher: Literal["exhaustive", "sequential"] = "exhaustive"
@@ -64,15 +86,55 @@ class PosesParams:
     test_every: int = 8
     min_registered_fraction: float = 0.8
     align_up: bool = True
+    # SfM engine: incremental (COLMAP's mapper) or global (GLOMAP's rotation averaging +
+    # global positioning, pycolmap.global_mapping: much faster on large sets).
+    mapper: Literal["incremental", "global"] = "incremental"
+    # Longest image side SIFT extraction works at; COLMAP scales the keypoints back to the full
+    # image, so intrinsics stay those of the ingested images. 0 = full size.
+    sift_max_size: int = 0
+    # SIFT extraction and matching device: auto = the GPU when pycolmap was built with CUDA.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # single: one camera shared by all images; per_size: one camera per distinct image size.
+    camera_mode: Literal["single", "per_size"] = "single"
+    # Known intrinsics: none (estimated), params (`camera_params`) or ground_truth (the ingest's
+    # ground_truth.json). They seed the camera (a focal-length prior) and, with
+    # `fix_intrinsics`, stay fixed in bundle adjustment.
+    known_intrinsics: Literal["none", "params", "ground_truth"] = "none"
+    # COLMAP's parameter order for camera_model at the ingested image size, e.g. PINHOLE
+    # fx, fy, cx, cy; OPENCV fx, fy, cx, cy, k1, k2, p1, p2.
+    camera_params: tuple[float, ...] = ()
+    fix_intrinsics: bool = False
+    # Refine the principal point in bundle adjustment too (COLMAP keeps it at the image centre
+    # by default); for real lenses whose optical centre is off the middle. Not with fix_intrinsics.
+    refine_principal_point: bool = False
 
     def __post_init__(self) -> None:
         P.check(self.source not in NOT_IMPLEMENTED_SOURCES, "source",
                 "not implemented yet (only 'sfm' is available for now)", self.source)
+        P.check(self.source not in IMPORT_SOURCES or bool(self.camera_file.strip()), "camera_file",
+                f"must name the camera file to import with source {self.source!r}", self.camera_file)
         P.check(self.max_features >= 256, "max_features", "must be >= 256", self.max_features)
         P.check(self.sequential_overlap >= 1, "sequential_overlap", "must be >= 1", self.sequential_overlap)
         P.check(self.test_every >= 2, "test_every", "must be >= 2", self.test_every)
         P.check(0.0 < self.min_registered_fraction <= 1.0, "min_registered_fraction",
                 "must be in (0, 1]", self.min_registered_fraction)
+        P.check(self.sift_max_size == 0 or self.sift_max_size >= 64, "sift_max_size",
+                "must be 0 (full size) or >= 64", self.sift_max_size)
+        n = NUM_CAMERA_PARAMS[self.camera_model]
+        if self.known_intrinsics == "params":
+            P.check(len(self.camera_params) == n, "camera_params",
+                    f"{self.camera_model} takes {n} values ({CAMERA_PARAM_NAMES[self.camera_model]})",
+                    list(self.camera_params))
+            P.check(all(v > 0 for v in self.camera_params[:n - NUM_DISTORTION[self.camera_model]]),
+                    "camera_params", "focal lengths and principal point must be > 0", list(self.camera_params))
+        else:
+            P.check(not self.camera_params, "camera_params",
+                    "is only read with known_intrinsics: params (set it, or leave camera_params empty)",
+                    list(self.camera_params))
+        P.check(not self.fix_intrinsics or self.known_intrinsics != "none", "fix_intrinsics",
+                "needs known intrinsics (known_intrinsics: params or ground_truth)", self.fix_intrinsics)
+        P.check(not (self.fix_intrinsics and self.refine_principal_point), "refine_principal_point",
+                "contradicts fix_intrinsics: true", self.refine_principal_point)
 
 
 def load_seed(path: str | Path = P.DEFAULT_PARAMS, data: dict | None = None) -> int:
@@ -87,8 +149,11 @@ def load_seed(path: str | Path = P.DEFAULT_PARAMS, data: dict | None = None) -> 
 # ---------------------------------------------------------------- inputs
 
 
-def read_ingest(ingest_dir: Path) -> tuple[list[str], dict | None]:
-    """Image names (relative to ``<ingest>/images``, sorted) and the ground truth, if any."""
+def read_ingest(ingest_dir: Path, allow_mixed_sizes: bool = False) -> tuple[list[str], dict | None]:
+    """Image names (relative to ``<ingest>/images``, sorted) and the ground truth, if any.
+
+    Images of several sizes are an error unless ``allow_mixed_sizes`` (``camera_mode: per_size``).
+    """
     manifest_path = ingest_dir / "manifest.json"
     try:
         manifest = json.loads(manifest_path.read_text())
@@ -109,9 +174,10 @@ def read_ingest(ingest_dir: Path) -> tuple[list[str], dict | None]:
     if len(names) < 3:
         raise ValueError(f"{manifest_path}: structure from motion needs at least 3 images, got {len(names)}")
     sizes = {(e.get("width"), e.get("height")) for e in entries}
-    if len(sizes) > 1:
+    if len(sizes) > 1 and not allow_mixed_sizes:
         raise ValueError(f"{manifest_path}: images have different sizes {sorted(sizes, key=str)}; "
-                         "the SfM uses one shared camera, so all images must have one size")
+                         "with poses.camera_mode: single the SfM uses one shared camera, so all images must "
+                         "have one size (or set poses.camera_mode: per_size)")
     gt = None
     gt_path = ingest_dir / "ground_truth.json"
     if gt_path.is_file():
@@ -125,14 +191,94 @@ def read_ingest(ingest_dir: Path) -> tuple[list[str], dict | None]:
 # ---------------------------------------------------------------- COLMAP steps
 
 
-def _import_sorted(pycolmap, db_path: Path, image_dir: Path, names: list[str], camera_model: str) -> None:
-    """Create the database and add every image (one shared camera) in sorted-name order, so
-    image ids are 1..N in that order whatever the extraction threads do later."""
+def image_sizes(image_dir: Path, names: list[str]) -> dict[str, tuple[int, int]]:
+    """(width, height) of each image, from the file headers."""
+    from PIL import Image
+
+    sizes = {}
+    for n in names:
+        with Image.open(image_dir / n) as im:
+            sizes[n] = im.size
+    return sizes
+
+
+def use_gpu(pycolmap, p: PosesParams) -> bool:
+    """Whether SIFT extraction and matching run on the GPU (``device``, and what pycolmap offers)."""
+    if p.device == "cuda" and not pycolmap.has_cuda:
+        raise ValueError("poses.device: cuda, but this pycolmap was built without CUDA "
+                         "(pycolmap.has_cuda is False); use device: auto or cpu")
+    return p.device == "cuda" or (p.device == "auto" and bool(pycolmap.has_cuda))
+
+
+def known_camera_params(p: PosesParams, gt: dict | None, size: tuple[int, int],
+                        ref_size: tuple[int, int]) -> list[float] | None:
+    """The known intrinsics of a camera of ``size`` (w, h) in COLMAP's order for ``p.camera_model``.
+
+    ``camera_params`` describe images of ``ref_size``; the ground truth's intrinsics describe its
+    own width and height. Both are rescaled to ``size`` (focal lengths and principal point;
+    distortion terms are scale-free), which must keep the aspect ratio. None when unknown.
+    """
+    model = p.camera_model
+    if p.known_intrinsics == "none":
+        return None
+    if p.known_intrinsics == "params":
+        values, (w0, h0) = [float(v) for v in p.camera_params], ref_size
+    else:
+        gi = (gt or {}).get("intrinsics")
+        if not gi:
+            raise ValueError("poses.known_intrinsics: ground_truth, but the ingest folder has no "
+                             "ground_truth.json with intrinsics")
+        fx, fy, cx, cy = (float(gi[k]) for k in ("fx", "fy", "cx", "cy"))
+        w0, h0 = int(gi["width"]), int(gi["height"])
+        values = {"SIMPLE_PINHOLE": [(fx + fy) / 2, cx, cy], "PINHOLE": [fx, fy, cx, cy],
+                  "SIMPLE_RADIAL": [(fx + fy) / 2, cx, cy, 0.0],
+                  "OPENCV": [fx, fy, cx, cy, 0.0, 0.0, 0.0, 0.0]}[model]
+    sx, sy = size[0] / w0, size[1] / h0
+    if abs(sx - sy) > 0.01 * max(sx, sy):
+        raise ValueError(f"poses.known_intrinsics: the known intrinsics are for {w0}x{h0} images, which "
+                         f"cannot be rescaled to {size[0]}x{size[1]} (another aspect ratio)")
+    n_lin = NUM_CAMERA_PARAMS[model] - NUM_DISTORTION[model]
+    # x-like entries (f, fx, cx) scale with the width, y-like ones (fy, cy) with the height
+    scales = {"SIMPLE_PINHOLE": [sx, sx, sy], "PINHOLE": [sx, sy, sx, sy],
+              "SIMPLE_RADIAL": [sx, sx, sy], "OPENCV": [sx, sy, sx, sy]}[model]
+    return [v * scales[i] if i < n_lin else v for i, v in enumerate(values)]
+
+
+def import_sorted(pycolmap, db_path: Path, image_dir: Path, names: list[str], sizes: dict[str, tuple[int, int]],
+                  p: PosesParams, gt: dict | None = None) -> None:
+    """Create the database and add every image in sorted-name order, so image ids are 1..N in that
+    order whatever the extraction threads do later.
+
+    One camera for all images (``camera_mode: single``) or one per image size (``per_size``), each
+    seeded with the known intrinsics when there are some. Images are added in runs of one size:
+    the first run of a size creates its camera, later runs reuse it (``existing_camera_id``).
+    """
     pycolmap.Database.open(db_path).close()
-    reader = pycolmap.ImageReaderOptions()
-    reader.camera_model = camera_model
-    pycolmap.import_images(db_path, image_dir, camera_mode=pycolmap.CameraMode.SINGLE,
-                           image_names=names, options=reader)
+    ref_size = sizes[names[0]]
+    camera_of: dict[Any, int] = {}
+    runs: list[tuple[Any, list[str]]] = []
+    for n in names:
+        key = sizes[n] if p.camera_mode == "per_size" else "shared"
+        if runs and runs[-1][0] == key:
+            runs[-1][1].append(n)
+        else:
+            runs.append((key, [n]))
+    for key, run_names in runs:
+        reader = pycolmap.ImageReaderOptions()
+        reader.camera_model = p.camera_model
+        known = known_camera_params(p, gt, sizes[run_names[0]], ref_size)
+        if known is not None:
+            reader.camera_params = ", ".join(repr(v) for v in known)
+        if key in camera_of:
+            reader.existing_camera_id = camera_of[key]
+        pycolmap.import_images(db_path, image_dir, camera_mode=pycolmap.CameraMode.SINGLE,
+                               image_names=run_names, options=reader)
+        if key not in camera_of:
+            db = pycolmap.Database.open(db_path)
+            try:
+                camera_of[key] = db.read_image_with_name(run_names[0]).camera_id
+            finally:
+                db.close()
     db = pycolmap.Database.open(db_path)
     try:
         got = sorted((img.image_id, img.name) for img in db.read_all_images())
@@ -142,20 +288,34 @@ def _import_sorted(pycolmap, db_path: Path, image_dir: Path, names: list[str], c
         raise RuntimeError(f"image import did not keep the sorted order: {got[:5]}...")
 
 
-def extract(pycolmap, db_path: Path, image_dir: Path, names: list[str], p: PosesParams) -> None:
-    _import_sorted(pycolmap, db_path, image_dir, names, p.camera_model)
+def extract(pycolmap, db_path: Path, image_dir: Path, names: list[str], p: PosesParams,
+            gt: dict | None = None, sizes: dict[str, tuple[int, int]] | None = None) -> None:
+    """Import the images (see :func:`import_sorted`) and extract SIFT features, at most
+    ``max_features`` per image, on images shrunk to ``sift_max_size`` (keypoints come back in
+    full-size pixels)."""
+    sizes = image_sizes(image_dir, names) if sizes is None else sizes
+    import_sorted(pycolmap, db_path, image_dir, names, sizes, p, gt)
+    gpu = use_gpu(pycolmap, p)
     reader = pycolmap.ImageReaderOptions()
     reader.camera_model = p.camera_model
     opts = pycolmap.FeatureExtractionOptions()
-    opts.use_gpu = False
+    opts.use_gpu = gpu
     opts.sift.max_num_features = p.max_features
-    pycolmap.extract_features(db_path, image_dir, image_names=names, camera_mode=pycolmap.CameraMode.SINGLE,
-                              reader_options=reader, extraction_options=opts, device=pycolmap.Device.cpu)
+    # COLMAP's own default caps the size (3200 px); 0 here means really the full size
+    opts.max_image_size = p.sift_max_size or max(max(wh) for wh in sizes.values())
+    # the images and their cameras are in the database already; SINGLE would also insist that
+    # every image has the first one's size
+    mode = pycolmap.CameraMode.SINGLE if p.camera_mode == "single" else pycolmap.CameraMode.AUTO
+    pycolmap.extract_features(db_path, image_dir, image_names=names, camera_mode=mode,
+                              reader_options=reader, extraction_options=opts,
+                              device=pycolmap.Device.cuda if gpu else pycolmap.Device.cpu)
 
 
 def match(pycolmap, db_path: Path, p: PosesParams, seed: int) -> None:
+    gpu = use_gpu(pycolmap, p)
+    device = pycolmap.Device.cuda if gpu else pycolmap.Device.cpu
     matching = pycolmap.FeatureMatchingOptions()
-    matching.use_gpu = False
+    matching.use_gpu = gpu
     # One matching thread: with several, identical runs occasionally produced different raw
     # SIFT matches (about 1 run in 40 under CPU load; the CPU matcher's faiss index and the
     # bundled OpenBLAS were called from concurrent threads). Exact brute-force matching
@@ -165,28 +325,56 @@ def match(pycolmap, db_path: Path, p: PosesParams, seed: int) -> None:
     verification.ransac.random_seed = seed  # each RANSAC reseeds itself: independent of thread order
     if p.matcher == "exhaustive":
         pycolmap.match_exhaustive(db_path, matching_options=matching, verification_options=verification,
-                                  device=pycolmap.Device.cpu)
+                                  device=device)
     else:
         pairing = pycolmap.SequentialPairingOptions()
         pairing.overlap = p.sequential_overlap
         pairing.quadratic_overlap = False  # measured: quadratic overlap left ring views unregistered
         pairing.loop_detection = False  # needs a vocabulary tree we do not ship
         pycolmap.match_sequential(db_path, matching_options=matching, pairing_options=pairing,
-                                  verification_options=verification, device=pycolmap.Device.cpu)
+                                  verification_options=verification, device=device)
 
 
-def mapping_options(pycolmap, seed: int):
+def mapping_options(pycolmap, seed: int, p: PosesParams | None = None):
+    """Options of the mapper ``p.mapper`` (incremental when ``p`` is None), seeded, one thread,
+    intrinsics held fixed with ``p.fix_intrinsics``."""
+    p = PosesParams() if p is None else p
+    refine = not p.fix_intrinsics
+    if p.mapper == "global":
+        opts = pycolmap.GlobalPipelineOptions()
+        opts.random_seed = seed
+        opts.num_threads = 1  # as below: run-independent sums
+        m = opts.mapper
+        m.random_seed = seed
+        m.num_threads = 1
+        m.rotation_averaging.random_seed = seed
+        m.global_positioning.random_seed = seed
+        m.retriangulation.random_seed = seed
+        gpu = bool(pycolmap.has_cuda)  # ask for the GPU solvers only where they exist (no warning)
+        m.global_positioning.use_gpu = gpu
+        m.bundle_adjustment.ceres.use_gpu = gpu
+        m.bundle_adjustment.refine_focal_length = refine
+        m.bundle_adjustment.refine_extra_params = refine
+        m.bundle_adjustment.refine_principal_point = p.refine_principal_point
+        return opts
     opts = pycolmap.IncrementalPipelineOptions()
     opts.random_seed = seed  # propagated to the mapper's and triangulator's RANSACs
     opts.num_threads = 1  # multi-threaded bundle adjustment sums in a run-dependent order
     opts.extract_colors = True
+    opts.ba_refine_focal_length = refine
+    opts.ba_refine_extra_params = refine
+    opts.ba_refine_principal_point = p.refine_principal_point
     return opts
 
 
-def incremental_map(pycolmap, db_path: Path, image_dir: Path, work: Path, seed: int) -> dict[int, Any]:
+def map_images(pycolmap, db_path: Path, image_dir: Path, work: Path, p: PosesParams, seed: int) -> dict[int, Any]:
+    """All the models the mapper makes, by index."""
     out = work / "sparse"
     out.mkdir(parents=True, exist_ok=True)
-    return dict(pycolmap.incremental_mapping(db_path, image_dir, out, mapping_options(pycolmap, seed)))
+    opts = mapping_options(pycolmap, seed, p)
+    if p.mapper == "global":
+        return dict(pycolmap.global_mapping(db_path, image_dir, out, opts))
+    return dict(pycolmap.incremental_mapping(db_path, image_dir, out, opts))
 
 
 def unregistered_reasons(pycolmap, db_path: Path, names: list[str], registered: set[str],
@@ -233,7 +421,19 @@ def undistort(pycolmap, rec, image_dir: Path, work: Path):
     rec.write(src)
     dst = work / "undistorted"
     pycolmap.undistort_images(dst, src, image_dir, output_type="COLMAP")
-    return pycolmap.Reconstruction(dst / "sparse"), dst / "images"
+    out = pycolmap.Reconstruction(dst / "sparse")
+    for cid in list(out.cameras):
+        cam = out.cameras[cid]
+        if cam.model_name in PINHOLE_MODELS:
+            continue
+        # COLMAP copies a camera whose distortion is exactly zero (e.g. held fixed at 0) as it
+        # is; it is a pinhole camera all the same, so write it as one
+        if any(cam.params[i] != 0.0 for i in cam.extra_params_idxs()):
+            raise RuntimeError(f"undistortion left camera {cid} with distortion: {cam}")
+        out.cameras[cid] = pycolmap.Camera(
+            camera_id=cid, model="PINHOLE", width=cam.width, height=cam.height,
+            params=[cam.focal_length_x, cam.focal_length_y, cam.principal_point_x, cam.principal_point_y])
+    return out, dst / "images"
 
 
 # ---------------------------------------------------------------- outputs
@@ -303,27 +503,32 @@ def _intrinsics(camera) -> C.Intrinsics:
 def run(params: PosesParams, ingest_dir: str | Path, out_dir: str | Path, metrics_path: str | Path,
         seed: int = 0) -> dict:
     """Run SfM on the ingested images and write the outs; returns the metrics."""
+    if params.source in IMPORT_SOURCES:  # cameras from another tool's files: no SfM
+        from .importers import run_import
+
+        return run_import(params, ingest_dir, out_dir, metrics_path)
     import pycolmap
 
     if params.source != "sfm":  # the schema rejects the others; keep the guard next to the work
         raise ValueError(f"poses.source: {params.source!r} is not implemented yet")
     ingest_dir, out_dir, metrics_path = Path(ingest_dir), Path(out_dir), Path(metrics_path)
     image_dir = ingest_dir / "images"
-    names, gt = read_ingest(ingest_dir)
+    names, gt = read_ingest(ingest_dir, allow_mixed_sizes=params.camera_mode == "per_size")
     remove(metrics_path)  # a failed run must not leave the previous run's numbers behind
     if log.getEffectiveLevel() > logging.DEBUG:
         pycolmap.logging.minloglevel = 1  # COLMAP's per-image INFO lines only at DEBUG
     t_start = time.perf_counter()
     times: dict[str, float] = {}
-    log.info("poses: %d images from %s, camera %s, %s matching, up to %d features", len(names), ingest_dir,
-             params.camera_model, params.matcher, params.max_features)
+    log.info("poses: %d images from %s, camera %s (%s), %s matching, %s mapper, up to %d features%s", len(names),
+             ingest_dir, params.camera_model, params.camera_mode, params.matcher, params.mapper, params.max_features,
+             f" at <= {params.sift_max_size} px" if params.sift_max_size else "")
 
     with tempfile.TemporaryDirectory(prefix="rayforge-poses-") as tmp, atomic_dir(out_dir) as out:
         work = Path(tmp)
         db_path = work / "database.db"
 
         t = time.perf_counter()
-        extract(pycolmap, db_path, image_dir, names, params)
+        extract(pycolmap, db_path, image_dir, names, params, gt)
         times["extract"] = time.perf_counter() - t
         log.info("extract: %.1f s", times["extract"])
 
@@ -333,9 +538,9 @@ def run(params: PosesParams, ingest_dir: str | Path, out_dir: str | Path, metric
         log.info("match (%s): %.1f s", params.matcher, times["match"])
 
         t = time.perf_counter()
-        models = incremental_map(pycolmap, db_path, image_dir, work, seed)
+        models = map_images(pycolmap, db_path, image_dir, work, params, seed)
         times["map"] = time.perf_counter() - t
-        log.info("map: %.1f s, %d model(s): %s", times["map"], len(models),
+        log.info("map (%s): %.1f s, %d model(s): %s", params.mapper, times["map"], len(models),
                  ", ".join(f"#{k}: {r.num_reg_images()} images" for k, r in sorted(models.items())) or "none")
 
         if models:
@@ -354,7 +559,7 @@ def run(params: PosesParams, ingest_dir: str | Path, out_dir: str | Path, metric
         if other_models:
             log.warning("kept model #%s; %d smaller model(s) dropped: %s", key, len(other_models), other_models)
         reasons = unregistered_reasons(pycolmap, db_path, names, registered, others,
-                                       mapping_options(pycolmap, seed).min_num_matches)
+                                       mapping_options(pycolmap, seed, params).min_num_matches)
         for name, why in reasons.items():
             log.warning("not registered: %s: %s", name, why)
         fraction = len(registered) / len(names)
@@ -366,6 +571,10 @@ def run(params: PosesParams, ingest_dir: str | Path, out_dir: str | Path, metric
                 hints.append("camera_model: PINHOLE (distortion parameters need many points to be estimated)")
             if params.matcher == "sequential":
                 hints.append("matcher: exhaustive")
+            if params.mapper == "global":
+                hints.append("mapper: incremental")
+            if params.sift_max_size:
+                hints.append("a larger sift_max_size (or 0, full size)")
             hints.append("a lower poses.min_registered_fraction")
             raise ValueError(
                 f"SfM registered {len(registered)} of {len(names)} images ({fraction:.0%}), below "
@@ -390,10 +599,11 @@ def run(params: PosesParams, ingest_dir: str | Path, out_dir: str | Path, metric
 
         # -- cameras and points in the normalized frame
         by_name = {out_rec.image(i).name: out_rec.image(i) for i in out_rec.reg_image_ids()}
-        cam_ids = {by_name[n].camera_id for n in reg_names}
-        if len(cam_ids) != 1:
-            raise RuntimeError(f"expected one shared camera, the model has {sorted(cam_ids)}")
-        intr = _intrinsics(out_rec.camera(cam_ids.pop()))
+        cam_ids = sorted({by_name[n].camera_id for n in reg_names})
+        if len(cam_ids) != 1 and params.camera_mode == "single":
+            raise RuntimeError(f"expected one shared camera, the model has {cam_ids}")
+        # the shared keys are the first image's camera; with several cameras every frame has its own
+        intr = _intrinsics(out_rec.camera(by_name[reg_names[0]].camera_id))
         w2c = np.stack([np.vstack([by_name[n].cam_from_world().matrix(), [0, 0, 0, 1]]) for n in reg_names])
         c2w = C.w2c_to_c2w(w2c)
         S = C.normalization_transform(c2w, params.align_up)
@@ -404,12 +614,19 @@ def run(params: PosesParams, ingest_dir: str | Path, out_dir: str | Path, metric
         rgb = np.array([pts[i].color for i in point_ids], dtype=np.uint8).reshape(-1, 3)
         xyz_n = C.apply_similarity_to_points(S, xyz)
         aabb = robust_aabb(xyz_n, c2w_n[:, :3, 3])
-        C.write_transforms(out / "transforms.json", intr, [f"images/{n}" for n in reg_names], c2w_n, extra={
+        doc = C.write_transforms(out / "transforms.json", intr, [f"images/{n}" for n in reg_names], c2w_n, extra={
             "camera_model": "PINHOLE",  # what the images in images/ are
             "sfm_camera_model": params.camera_model,
             "normalization": S.tolist(),
             "aabb": aabb.tolist(),
         })
+        if len(cam_ids) > 1:  # per-frame intrinsics, nerfstudio's way of mixing cameras
+            for frame, n in zip(doc["frames"], reg_names):
+                fi = _intrinsics(out_rec.camera(by_name[n].camera_id))
+                frame.update(w=fi.width, h=fi.height, fl_x=fi.fx, fl_y=fi.fy, cx=fi.cx, cy=fi.cy)
+            atomic_write_json(out / "transforms.json", doc)
+            log.warning("%d cameras (camera_mode: per_size): transforms.json has per-frame intrinsics; a reader "
+                        "that takes only the shared keys sees the first image's camera", len(cam_ids))
         write_ply(out / "points3D.ply", xyz_n, rgb)
         split = make_split(reg_names, params.test_every)
         atomic_write_json(out / "split.json", split)
@@ -421,16 +638,19 @@ def run(params: PosesParams, ingest_dir: str | Path, out_dir: str | Path, metric
             "num_points": int(rec.num_points3D()),
             "mean_reprojection_error_px": float(rec.compute_mean_reprojection_error()),
             "mean_track_length": float(rec.compute_mean_track_length()),
+            "num_cameras": len(cam_ids),
+            "mapper": params.mapper,
             "num_train": len(split["train"]),
             "num_test": len(split["test"]),
         }
         if gt is not None:
             metrics.update(ground_truth_errors(gt, reg_names, c2w))
             gi = gt.get("intrinsics", {})
-            if gi.get("fx") and gi.get("width"):
-                f_gt = float(gi["fx"]) * intr.width / float(gi["width"])
-                cam = rec.camera(next(iter(rec.cameras)))
-                metrics["focal_error_rel"] = abs(float(cam.focal_length_x) * intr.width / cam.width - f_gt) / f_gt
+            if gi.get("fx") and gi.get("width"):  # worst SfM camera, its focal rescaled to the ground truth's width
+                metrics["focal_error_rel"] = max(
+                    abs(float(cam.focal_length_x) * float(gi["width"]) / cam.width - float(gi["fx"])) / float(gi["fx"])
+                    for cam in (rec.camera(c) for c in {rec.image(i).camera_id for i in rec.reg_image_ids()}))
+        metrics["registered"] = reg_names
         metrics["unregistered"] = [{"file": n, "reason": w} for n, w in reasons.items()]
         metrics["other_models"] = other_models
         times["total"] = time.perf_counter() - t_start

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -191,6 +192,49 @@ def test_too_few_images_names_the_count_and_leaves_no_outs(tmp_path):
         ingest.run(PARAMS, photos, out)
     assert not out.exists()
     assert not list(tmp_path.glob(".out.*"))  # nor the temporary folder
+
+
+@pytest.mark.parametrize("alpha, expected", [("drop", [0, 200, 0]), ("white", [255, 255, 255]),
+                                             ("black", [0, 0, 0])])
+def test_alpha_dropped_or_composited(tmp_path, alpha, expected):
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    rgba = np.zeros((12, 16, 4), np.uint8)
+    rgba[..., 1] = 200  # green, transparent on the left half, half transparent on the right
+    rgba[:, 8:, 3] = 128
+    Image.fromarray(rgba, mode="RGBA").save(photos / "alpha.png")
+    Image.fromarray(rgba[..., :2], mode="LA").save(photos / "la.png")  # grey + alpha takes the same path
+    _rgb(16, 12).save(photos / "plain.png")
+    params = ingest.IngestParams(photos="unused", alpha=alpha)
+    recs = _by_source(ingest.run(params, photos, tmp_path / "out"))
+    with Image.open(tmp_path / "out" / recs["alpha.png"]["file"]) as im:
+        out = np.asarray(im, dtype=int)
+    assert out[0, 0].tolist() == expected
+    if alpha != "drop":  # straight alpha: 200 * a + bg * (1 - a), a = 128 / 255
+        bg = 255 if alpha == "white" else 0
+        a = 128 / 255
+        assert np.abs(out[0, 12] - [bg * (1 - a), 200 * a + bg * (1 - a), bg * (1 - a)]).max() <= 1
+    note = "alpha channel dropped" if alpha == "drop" else f"alpha composited on {alpha}"
+    assert note in recs["alpha.png"]["notes"] and note in recs["la.png"]["notes"]
+    assert recs["plain.png"]["notes"] == []
+
+
+def test_recursive_keeps_folders_in_source_names(tmp_path):
+    photos = tmp_path / "photos"
+    for i, rel in enumerate(["train/r_0.png", "test/r_0.png", "top.png", "test/deeper/r_0.png"]):
+        (photos / rel).parent.mkdir(parents=True, exist_ok=True)
+        _rgb(seed=i).save(photos / rel)
+    (photos / "notes.txt").write_text("x")
+    (photos / "link").symlink_to(photos / "train")  # folder links are not followed: no copies
+    with pytest.raises(ValueError, match="found 1 readable image.*train: a folder .*ingest.recursive: true"):
+        ingest.run(PARAMS, photos, tmp_path / "flat")
+    params = ingest.IngestParams(photos="unused", recursive=True)
+    manifest = ingest.run(params, photos, tmp_path / "out")
+    got = [(im["source"], im["file"]) for im in manifest["images"]]
+    assert got == [("test/deeper/r_0.png", "images/test_deeper_r_0.png"), ("test/r_0.png", "images/test_r_0.png"),
+                   ("top.png", "images/top.png"), ("train/r_0.png", "images/train_r_0.png")]
+    assert [(s["source"], s["reason"][:6]) for s in manifest["skipped"]] == [("link", "a link"), ("notes.txt", "not an")]
+    assert sorted(p.name for p in (tmp_path / "out" / "images").iterdir()) == sorted(Path(f).name for _, f in got)
 
 
 def test_missing_and_empty_folders(tmp_path):

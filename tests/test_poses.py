@@ -137,6 +137,189 @@ def test_rerun_is_deterministic_and_undistorts_radial(ingest, tmp_path):
     assert img.size == (cam.width, cam.height) == (a["w"], a["h"])
 
 
+def _gt_intrinsics(ingest: Path) -> dict:
+    return json.loads((ingest / "ground_truth.json").read_text())["intrinsics"]
+
+
+def _sparse_cameras(out: Path) -> list:
+    import pycolmap
+
+    rec = pycolmap.Reconstruction(out / "sparse" / "0")
+    return [rec.cameras[k] for k in sorted(rec.cameras)]
+
+
+@pytest.mark.slow
+def test_global_mapper_registers_every_view(ingest, tmp_path):
+    import open3d as o3d
+
+    m = poses.run(poses.PosesParams(mapper="global"), ingest, tmp_path / "out", tmp_path / "m.json", seed=0)
+    assert m["mapper"] == "global" and m["num_registered"] == 16 and m["other_models"] == []
+    assert m["num_points"] > 100 and m["mean_reprojection_error_px"] < 1.0
+    assert m["center_error_max"] < 0.03 and m["rotation_error_max_deg"] < 1.0, m
+    assert m["focal_error_rel"] < 0.02, m
+    pcd = o3d.io.read_point_cloud(str(tmp_path / "out" / "points3D.ply"))
+    assert np.asarray(pcd.colors).std() > 0.05  # the global pipeline's points are coloured too
+
+
+@pytest.mark.slow
+def test_sift_downscale_keeps_keypoints_in_full_size_pixels(ingest, sfm, tmp_path):
+    """SIFT on images shrunk to 200 px: fewer points, yet a focal length right for the 240 px
+    images, which holds only when the keypoints are scaled back to the full size."""
+    m = poses.run(poses.PosesParams(sift_max_size=200), ingest, tmp_path / "out", tmp_path / "m.json", seed=0)
+    assert m["num_registered"] == 16
+    assert m["num_points"] < sfm[2]["num_points"]
+    assert m["focal_error_rel"] < 0.02 and m["center_error_max"] < 0.03, m
+    assert _sparse_cameras(tmp_path / "out")[0].width == 240
+
+
+@pytest.fixture(scope="module")
+def mixed_ingest(ingest, tmp_path_factory) -> Path:
+    """The 16-view ingest with every odd view shrunk to 180x135 (3/4 size)."""
+    dst = tmp_path_factory.mktemp("poses_mixed") / "ingest"
+    shutil.copytree(ingest, dst)
+    manifest = json.loads((dst / "manifest.json").read_text())
+    for i, e in enumerate(manifest["images"]):
+        if i % 2:
+            img = Image.open(dst / e["file"])
+            img.resize((180, 135), Image.Resampling.LANCZOS).save(dst / e["file"])
+            e["width"], e["height"] = 180, 135
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    return dst
+
+
+def test_single_camera_rejects_mixed_sizes(mixed_ingest, tmp_path):
+    with pytest.raises(ValueError, match=r"different sizes.*camera_mode: per_size"):
+        poses.run(poses.PosesParams(), mixed_ingest, tmp_path / "out", tmp_path / "m.json")
+    assert not (tmp_path / "out").exists()
+
+
+def test_import_keeps_sorted_ids_with_one_camera_per_size(mixed_ingest, tmp_path):
+    import pycolmap
+
+    names, gt = poses.read_ingest(mixed_ingest, allow_mixed_sizes=True)
+    sizes = poses.image_sizes(mixed_ingest / "images", names)
+    db_path = tmp_path / "db.db"
+    poses.import_sorted(pycolmap, db_path, mixed_ingest / "images", names, sizes,
+                        poses.PosesParams(camera_mode="per_size"), gt)
+    db = pycolmap.Database.open(db_path)
+    try:
+        images = sorted(db.read_all_images(), key=lambda im: im.image_id)
+        cams = {c.camera_id: c for c in db.read_all_cameras()}
+    finally:
+        db.close()
+    assert [im.name for im in images] == names and [im.image_id for im in images] == list(range(1, 17))
+    assert len(cams) == 2
+    for im in images:
+        assert (cams[im.camera_id].width, cams[im.camera_id].height) == sizes[im.name]
+
+
+@pytest.mark.slow
+def test_per_size_cameras_on_mixed_sizes(mixed_ingest, tmp_path):
+    m = poses.run(poses.PosesParams(camera_mode="per_size"), mixed_ingest, tmp_path / "out", tmp_path / "m.json")
+    assert m["num_registered"] == 16 and m["num_cameras"] == 2
+    assert m["center_error_max"] < 0.05 and m["rotation_error_max_deg"] < 1.5, m
+    assert m["focal_error_rel"] < 0.03, m
+    doc = json.loads((tmp_path / "out" / "transforms.json").read_text())
+    by_file = {f["file_path"]: f for f in doc["frames"]}
+    big, small = by_file["images/view_000.png"], by_file["images/view_001.png"]
+    assert (big["w"], big["h"], small["w"], small["h"]) == (240, 180, 180, 135)
+    assert small["fl_x"] == pytest.approx(0.75 * big["fl_x"], rel=0.03)
+    assert (doc["w"], doc["h"]) == (240, 180)  # the shared keys: the first image's camera
+    for f in doc["frames"]:
+        assert Image.open(tmp_path / "out" / f["file_path"]).size == (f["w"], f["h"])
+
+
+@pytest.mark.slow
+def test_fixed_ground_truth_intrinsics_stay_exact(ingest, tmp_path):
+    gi = _gt_intrinsics(ingest)
+    p = poses.PosesParams(known_intrinsics="ground_truth", fix_intrinsics=True)
+    m = poses.run(p, ingest, tmp_path / "out", tmp_path / "m.json", seed=0)
+    assert m["num_registered"] == 16 and m["center_error_max"] < 0.02, m
+    (cam,) = _sparse_cameras(tmp_path / "out")
+    np.testing.assert_allclose(cam.params, [gi["fx"], gi["fy"], gi["cx"], gi["cy"]], rtol=1e-12)
+    assert m["focal_error_rel"] < 1e-9
+
+
+@pytest.mark.slow
+def test_fixed_params_intrinsics_with_the_global_mapper(ingest, tmp_path):
+    gi = _gt_intrinsics(ingest)
+    f = (gi["fx"] + gi["fy"]) / 2
+    p = poses.PosesParams(mapper="global", camera_model="SIMPLE_RADIAL", known_intrinsics="params",
+                          camera_params=(f, gi["cx"], gi["cy"], 0.0), fix_intrinsics=True)
+    m = poses.run(p, ingest, tmp_path / "out", tmp_path / "m.json", seed=0)
+    assert m["num_registered"] == 16 and m["center_error_max"] < 0.03, m
+    assert m["focal_error_rel"] < 1e-9  # held fixed through global positioning and bundle adjustment
+    (cam,) = _sparse_cameras(tmp_path / "out")  # undistorted with k = 0: the same pinhole camera
+    assert cam.model_name == "PINHOLE"
+    np.testing.assert_allclose(cam.params, [f, f, gi["cx"], gi["cy"]], rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_largest_model_kept_and_the_others_reported(ingest, tmp_path):
+    """A second, unrelated scene among the photos makes a separate model: the 16-view one is
+    kept, the other is listed with its images and each of them says why it is missing."""
+    from stages.scene import SceneParams
+    from stages.scene import run as scene_run
+
+    dst = tmp_path / "ingest"
+    shutil.copytree(ingest, dst)
+    scene_run(SceneParams(width=240, height=180, views=12, rings=1), tmp_path / "other", 7, log=QUIET)
+    manifest = json.loads((dst / "manifest.json").read_text())
+    extra = []
+    for src in sorted((tmp_path / "other" / "images").glob("*.png")):
+        name = f"zz_{src.name}"
+        shutil.copy(src, dst / "images" / name)
+        manifest["images"].append({"file": f"images/{name}", "source": name, "width": 240, "height": 180})
+        extra.append(name)
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    m = poses.run(poses.PosesParams(min_registered_fraction=0.5), dst, tmp_path / "out", tmp_path / "m.json")
+    assert m["num_registered"] == 16 and m["registered"] == sorted(p.name for p in (ingest / "images").iterdir())
+    assert [(o["num_registered"]) for o in m["other_models"]] == [12]
+    assert {u["file"] for u in m["unregistered"]} == set(extra)
+    assert all("smaller separate model" in u["reason"] for u in m["unregistered"])
+
+
+def test_device_cuda_without_cuda_is_a_clear_error(ingest, tmp_path):
+    import pycolmap
+
+    if pycolmap.has_cuda:
+        pytest.skip("this pycolmap has CUDA; the error is for CPU-only builds")
+    assert poses.use_gpu(pycolmap, poses.PosesParams()) is False  # auto falls back to the CPU
+    with pytest.raises(ValueError, match="has_cuda"):
+        poses.run(poses.PosesParams(device="cuda"), ingest, tmp_path / "out", tmp_path / "m.json")
+    assert not (tmp_path / "out").exists()
+
+
+def test_mapping_options_follow_the_params():
+    import pycolmap
+
+    inc = poses.mapping_options(pycolmap, 5, poses.PosesParams(refine_principal_point=True))
+    assert isinstance(inc, pycolmap.IncrementalPipelineOptions)
+    assert inc.random_seed == 5 and inc.num_threads == 1
+    assert inc.ba_refine_principal_point and inc.ba_refine_focal_length and inc.ba_refine_extra_params
+    glob = poses.mapping_options(pycolmap, 5, poses.PosesParams(mapper="global", known_intrinsics="ground_truth",
+                                                                fix_intrinsics=True))
+    assert isinstance(glob, pycolmap.GlobalPipelineOptions)
+    assert glob.random_seed == 5 and glob.mapper.random_seed == 5
+    ba = glob.mapper.bundle_adjustment
+    assert not (ba.refine_focal_length or ba.refine_extra_params or ba.refine_principal_point)
+
+
+def test_known_camera_params_rescale_and_check():
+    p = poses.PosesParams(camera_model="OPENCV", known_intrinsics="params",
+                          camera_params=(400.0, 410.0, 200.0, 150.0, 0.1, -0.02, 0.001, 0.002))
+    got = poses.known_camera_params(p, None, (200, 150), (400, 300))
+    assert got == pytest.approx([200.0, 205.0, 100.0, 75.0, 0.1, -0.02, 0.001, 0.002])
+    with pytest.raises(ValueError, match="aspect ratio"):
+        poses.known_camera_params(p, None, (200, 200), (400, 300))
+    gt = {"intrinsics": {"width": 400, "height": 300, "fx": 380.0, "fy": 390.0, "cx": 201.0, "cy": 149.0}}
+    q = poses.PosesParams(camera_model="SIMPLE_RADIAL", known_intrinsics="ground_truth")
+    assert poses.known_camera_params(q, gt, (800, 600), (1, 1)) == pytest.approx([770.0, 402.0, 298.0, 0.0])
+    with pytest.raises(ValueError, match="no ground_truth.json"):
+        poses.known_camera_params(q, None, (800, 600), (1, 1))
+    assert poses.known_camera_params(poses.PosesParams(), gt, (800, 600), (1, 1)) is None
+
+
 def _junk_ingest(ingest: Path, dst: Path) -> list[str]:
     """``ingest`` plus three images SfM cannot register: a blank one and two of pure noise."""
     shutil.copytree(ingest, dst)
@@ -221,16 +404,21 @@ def test_unknown_params_key_rejected(tmp_path, capsys):
     ({"camera_model": "FISHEYE"}, "poses.camera_model"),
     ({"matcher": "vocabtree"}, "poses.matcher"),
     ({"align_up": 1}, "poses.align_up"),
+    ({"mapper": "hierarchical"}, "poses.mapper"),
+    ({"sift_max_size": 32}, "poses.sift_max_size"),
+    ({"device": "gpu"}, "poses.device"),
+    ({"camera_mode": "per_image"}, "poses.camera_mode"),
+    ({"known_intrinsics": "exif"}, "poses.known_intrinsics"),
+    ({"known_intrinsics": "params", "camera_params": [300.0, 200.0, 150.0]}, "poses.camera_params"),
+    ({"known_intrinsics": "params", "camera_params": [-1.0, 300.0, 200.0, 150.0]}, "poses.camera_params"),
+    ({"camera_params": [300.0, 300.0, 200.0, 150.0]}, "poses.camera_params"),
+    ({"fix_intrinsics": True}, "poses.fix_intrinsics"),
+    ({"known_intrinsics": "ground_truth", "fix_intrinsics": True, "refine_principal_point": True},
+     "poses.refine_principal_point"),
 ])
 def test_params_ranges(section, key):
     with pytest.raises(P.ParamsError, match=key.replace(".", r"\.")):
         P.load_section(poses.PosesParams, "poses", data={"poses": section})
-
-
-@pytest.mark.parametrize("source", ["colmap", "transforms", "llff"])
-def test_other_sources_not_implemented_yet(source):
-    with pytest.raises(ValueError, match="poses.source: not implemented yet"):
-        P.load_section(poses.PosesParams, "poses", data={"poses": {"source": source}})
 
 
 def test_seed_is_checked():
