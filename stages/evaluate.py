@@ -9,10 +9,20 @@ Reads the test views named in ``<poses>/split.json`` (cameras from
 
 * ``<out>/renders/<stem>.png``: the renders, RGB 8-bit;
 * ``<out>/per_view.json``: ``[{"file", "psnr", "ssim", "render_time_s"}]``;
-* ``<metrics>``: the summary in the flat layout of nerfstudio's ``ns-eval`` results
-  (``psnr``, ``psnr_std``, ``ssim``, ``ssim_std``, ``lpips``, ``fps``, ...) plus the
-  training figures of ``<model>/summary.json`` and an ``environment`` block (library
-  versions, code revision, a hash of the params that produced the numbers).
+* ``<out>/metrics.json``: the scores in the shape nerfstudio's ``ns-eval`` writes
+  (``experiment_name``, ``method_name``, ``checkpoint``, ``results`` with ``psnr``,
+  ``psnr_std``, ``ssim``, ``ssim_std``, ``lpips``, ``lpips_std``, ``num_rays_per_sec``,
+  ``num_rays_per_sec_std``, ``fps``, ``fps_std``; means and standard deviations over
+  the test views), so tools that read ns-eval results read ours;
+* ``<out>/orbit.webp`` (``.gif`` where Pillow lacks WebP): ``evaluate.orbit_frames``
+  views of the model on a circle about the scene's up axis, at the cameras' mean
+  height and distance from the centre of the scene box, looking at that centre, with
+  the longest side ``evaluate.orbit_size`` pixels. When the cameras cover less than half
+  a turn (a forward-facing capture), the orbit swings across the arc they cover instead;
+* ``<metrics>``: the summary for ``dvc metrics``, flat (``psnr``, ``psnr_std``, ``ssim``,
+  ``ssim_std``, ``lpips``, ``fps``, ...), the training figures of ``<model>/summary.json``,
+  ``model_size_bytes``, an ``orbit`` block and an ``environment`` block (library versions,
+  GPU and driver, code revision, a hash of the params that produced the numbers).
 
 PSNR and SSIM (``stages.common.metrics``; SSIM as in the 3DGS evaluation) are computed
 on the model's float render clamped to [0, 1] against the 8-bit ground truth / 255.
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.metadata
 import json
 import logging
 import math
@@ -40,7 +51,8 @@ from PIL import Image
 
 from stages.common import metrics as M
 from stages.common.cameras import Intrinsics, read_transforms
-from stages.common.io import atomic_dir, atomic_write_json, remove
+from stages.common.io import atomic_dir, atomic_write_bytes, atomic_write_json, remove
+from stages.common.plots import encode_animation
 from stages.common.params import DEFAULT_PARAMS, check, load_section, read_yaml
 
 log = logging.getLogger("evaluate")
@@ -49,8 +61,11 @@ LPIPS_NOTE = "not computed: no LPIPS weights configured"
 MODEL_FILES = ("model.pt", "summary.json")
 # copied from <model>/summary.json into the metrics, in this order
 SUMMARY_KEYS = ("method", "steps", "train_time_s", "peak_gpu_memory_bytes", "num_params", "device", "gpu_name",
-                "gpu_count", "world_size")
-PARAMS_HASH_SECTIONS = ("reconstruct", "evaluate")
+                "gpu_count", "world_size", "samples_per_s", "seed")
+PARAMS_HASH_SECTIONS = ("seed", "reconstruct", "evaluate")
+# distributions whose versions go into the environment block (None where not installed)
+LIBRARIES = ("torch", "numpy", "pillow", "pyyaml", "cuda-python", "kornia", "pycolmap", "dvc")
+ORBIT_FRAME_MS = 80  # display time of one orbit frame
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -59,9 +74,14 @@ class EvaluateParams:
     """Section ``evaluate`` of params.yaml."""
 
     chunk_rays: int = 8192  # rays per forward pass of the renderer (memory vs. speed)
+    orbit_frames: int = 36  # frames of the orbit animation; 0 = none
+    orbit_size: int = 80  # longest side of an orbit frame, pixels (the test camera's field of view)
 
     def __post_init__(self) -> None:
         check(self.chunk_rays >= 256, "chunk_rays", "must be >= 256", self.chunk_rays)
+        check(self.orbit_frames == 0 or 2 <= self.orbit_frames <= 720, "orbit_frames", "must be 0 (off) or 2..720",
+              self.orbit_frames)
+        check(8 <= self.orbit_size <= 4096, "orbit_size", "must be 8..4096", self.orbit_size)
 
 
 @dataclass
@@ -158,7 +178,7 @@ def code_revision() -> dict:
 
 
 def params_sha256(params_path: str | Path | None) -> str | None:
-    """sha256 of the canonical JSON (sorted keys) of params.yaml's reconstruct and evaluate sections."""
+    """sha256 of the canonical JSON (sorted keys) of params.yaml's ``seed``, ``reconstruct`` and ``evaluate``."""
     if params_path is None or not Path(params_path).is_file():
         return None
     data = read_yaml(params_path)
@@ -166,8 +186,38 @@ def params_sha256(params_path: str | Path | None) -> str | None:
     return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def library_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in LIBRARIES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def gpu_driver() -> str | None:
+    """The NVIDIA driver version of this host (``nvidia-smi``, else ``/proc``); None without a GPU."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        res = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=False)
+        if res.returncode == 0 and res.stdout.strip():
+            return res.stdout.strip().splitlines()[0].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:  # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  ..."
+        words = Path("/proc/driver/nvidia/version").read_text().split()
+        return next((w for w in words if w.count(".") >= 1 and w.replace(".", "").isdigit()), None)
+    except OSError:
+        return None
+
+
 def environment(params_path: str | Path | None) -> dict:
+    """Where the numbers were made: code, params, libraries and this host's GPU (the evaluating host)."""
     rev = code_revision()
+    cuda = torch.cuda.is_available()
     return {
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
@@ -176,23 +226,136 @@ def environment(params_path: str | Path | None) -> dict:
         "code_dirty": rev["dirty"],
         "params_sha256": params_sha256(params_path),
         "params_sha256_of": "canonical JSON of params.yaml sections " + "+".join(PARAMS_HASH_SECTIONS),
+        "libraries": library_versions(),
+        "cuda_version": torch.version.cuda,
+        "eval_gpu_name": torch.cuda.get_device_name() if cuda else None,
+        "eval_gpu_count": torch.cuda.device_count() if cuda else 0,
+        "gpu_driver": gpu_driver(),
     }
+
+
+# ---------------------------------------------------------------- orbit
+
+
+def look_at(eye: np.ndarray, target: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """Camera-to-world [4, 4], OpenCV axes (x right, y down, z forward), at ``eye`` facing ``target``."""
+    z = np.asarray(target, np.float64) - np.asarray(eye, np.float64)
+    z /= np.linalg.norm(z)
+    x = np.cross(z, up)
+    if np.linalg.norm(x) < 1e-6:  # looking straight along the up axis: any right vector will do
+        x = np.cross(z, [1.0, 0.0, 0.0] if abs(z[0]) < 0.9 else [0.0, 1.0, 0.0])
+    x /= np.linalg.norm(x)
+    c2w = np.eye(4)
+    c2w[:3, 0], c2w[:3, 1], c2w[:3, 2], c2w[:3, 3] = x, np.cross(z, x), z, eye
+    return c2w
+
+
+def orbit_poses(c2w: np.ndarray, center: np.ndarray, frames: int) -> tuple[np.ndarray, str]:
+    """Camera-to-world poses [frames, 4, 4] (OpenCV axes) circling ``center`` about the cameras' up axis.
+
+    The up axis is the cameras' mean "up" (-y in OpenCV axes); the circle lies at the cameras'
+    mean height above ``center`` and their mean horizontal distance from it, and starts at the
+    first camera's bearing. When the cameras' bearings cover less than half a turn, the path
+    swings to and fro across that arc instead of going round (a forward-facing capture has
+    nothing behind it to show).
+
+    Args:
+        c2w: [N, 4, 4] the captured cameras (OpenCV axes).
+        center: [3] the point looked at (the scene box's centre).
+        frames: number of poses.
+
+    Returns:
+        The poses and ``"circle"`` or ``"swing"``.
+    """
+    c2w = np.asarray(c2w, np.float64)
+    center = np.asarray(center, np.float64)
+    up = -c2w[:, :3, 1].mean(axis=0)
+    up = up / np.linalg.norm(up) if np.linalg.norm(up) > 1e-9 else np.array([0.0, 0.0, 1.0])
+    offs = c2w[:, :3, 3] - center
+    height = offs @ up
+    horiz = offs - height[:, None] * up
+    dist = np.linalg.norm(horiz, axis=1)
+    radius = float(dist.mean())
+    if radius < 1e-6:  # cameras straight above the centre: orbit at their distance instead
+        radius = max(float(np.linalg.norm(offs, axis=1).mean()), 1e-3)
+    ref = horiz[int(np.argmax(dist))] if dist.max() > 1e-9 else np.cross(up, [1.0, 0.0, 0.0])
+    if np.linalg.norm(ref) < 1e-9:
+        ref = np.cross(up, [0.0, 1.0, 0.0])
+    e1 = ref / np.linalg.norm(ref)
+    e2 = np.cross(up, e1)
+    bearing = np.sort(np.arctan2(horiz @ e2, horiz @ e1))
+    gaps = np.diff(np.concatenate([bearing, bearing[:1] + 2 * np.pi]))
+    widest = int(np.argmax(gaps))
+    covered = 2 * np.pi - float(gaps[widest])
+    t = np.arange(frames) / frames
+    if covered >= np.pi or len(bearing) < 2:
+        angles, kind = 2 * np.pi * t, "circle"
+    else:  # the covered arc runs from just after the widest gap round to just before it
+        start = float(bearing[(widest + 1) % len(bearing)])
+        mid = start + covered / 2
+        angles, kind = mid + covered / 2 * np.sin(2 * np.pi * t), "swing"
+    h = float(height.mean())
+    poses = [look_at(center + h * up + radius * (np.cos(a) * e1 + np.sin(a) * e2), center, up) for a in angles]
+    return np.stack(poses), kind
+
+
+def scene_center(doc: dict, c2w: np.ndarray) -> np.ndarray:
+    """The centre of transforms.json's ``aabb``; without one, the point nearest all the cameras' optical axes."""
+    aabb = doc.get("aabb") if isinstance(doc, dict) else None
+    if aabb is not None:
+        box = np.asarray(aabb, np.float64)
+        if box.shape == (2, 3) and np.isfinite(box).all():
+            return box.mean(axis=0)
+    o, d = c2w[:, :3, 3], c2w[:, :3, 2]
+    P = np.eye(3)[None] - d[:, :, None] * d[:, None, :]  # projectors orthogonal to each axis
+    A, b = P.sum(axis=0), (P @ o[:, :, None]).sum(axis=0)[:, 0]
+    try:
+        return np.linalg.solve(A, b)
+    except np.linalg.LinAlgError:  # parallel axes (a forward-facing rig): in front of the mean camera
+        return o.mean(axis=0) + d.mean(axis=0)
+
+
+def render_orbit(model: Any, intr: Intrinsics, poses_dir: Path, params: EvaluateParams) -> tuple[bytes, str, dict]:
+    """The orbit animation: (encoded bytes, file extension, facts for the metrics)."""
+    _, _, c2w, doc = read_transforms(poses_dir / "transforms.json")
+    center = scene_center(doc, c2w)
+    poses, kind = orbit_poses(c2w, center, params.orbit_frames)
+    small = intr.scaled(min(1.0, params.orbit_size / max(intr.width, intr.height)))
+    log.info("orbit: %d frames at %dx%d (%s about the scene's up axis)", len(poses), small.width, small.height, kind)
+    frames, t0 = [], time.perf_counter()
+    every = max(1, len(poses) // 6)
+    for k, pose in enumerate(poses, start=1):
+        img = render_image(model, small, pose, params.chunk_rays, f"orbit frame {k}")
+        frames.append((img * 255.0).round().to(torch.uint8).numpy())
+        if k % every == 0 or k == len(poses):
+            el = time.perf_counter() - t0
+            log.info("orbit: %d/%d frames, %.1f s, about %.0f s left", k, len(poses), el, el / k * (len(poses) - k))
+    seconds = time.perf_counter() - t0
+    data, ext = encode_animation(frames, ORBIT_FRAME_MS)
+    info = {"file": f"orbit.{ext}", "frames": len(frames), "width": small.width, "height": small.height,
+            "path": kind, "frame_ms": ORBIT_FRAME_MS, "render_s": round(seconds, 3), "center": center.tolist()}
+    return data, ext, info
 
 
 # ---------------------------------------------------------------- rendering
 
 
-def render_view(model: Any, intr: Intrinsics, view: EvalView, chunk_rays: int) -> torch.Tensor:
-    """The model's render of one view as float32 [H, W, 3] in [0, 1] on the CPU."""
+def render_image(model: Any, intr: Intrinsics, c2w: np.ndarray, chunk_rays: int, what: str) -> torch.Tensor:
+    """The model's render of one camera as float32 [H, W, 3] in [0, 1] on the CPU; ``what`` names it in errors."""
     with torch.no_grad():
-        out = model.render(intr, view.c2w, chunk_rays=chunk_rays)
+        out = model.render(intr, c2w, chunk_rays=chunk_rays)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (intr.height, intr.width, 3):
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"model rendered {shape} for {view.name}, expected ({intr.height}, {intr.width}, 3)")
+        raise ValueError(f"model rendered {shape} for {what}, expected ({intr.height}, {intr.width}, 3)")
     out = out.detach().to("cpu", torch.float32)
     if not torch.isfinite(out).all():
-        raise ValueError(f"model rendered non-finite values for {view.name}")
+        raise ValueError(f"model rendered non-finite values for {what}")
     return out.clamp_(0.0, 1.0)
+
+
+def render_view(model: Any, intr: Intrinsics, view: EvalView, chunk_rays: int) -> torch.Tensor:
+    """The model's render of one test view as float32 [H, W, 3] in [0, 1] on the CPU."""
+    return render_image(model, intr, view.c2w, chunk_rays, view.name)
 
 
 def _std(x: list[float]) -> float:
@@ -238,6 +401,7 @@ def run(
     remove(metrics_path)  # a failed run leaves no stale metrics beside a missing out folder
     render_view(model, intr, views[0], params.chunk_rays)  # warm-up: lazy compiles, caches, allocator
     per_view = []
+    orbit: dict[str, Any] | None = None
     with atomic_dir(out_dir) as tmp:
         (tmp / "renders").mkdir()
         for view, gt_u8 in zip(views, gts):
@@ -251,7 +415,19 @@ def run(
             Image.fromarray(img).save(tmp / "renders" / f"{Path(view.name).stem}.png")
             log.info("%s: PSNR %.2f dB, SSIM %.4f, %.3f s", view.name, row["psnr"], row["ssim"], dt)
         atomic_write_json(tmp / "per_view.json", per_view)
+        if params.orbit_frames:
+            data, ext, orbit = render_orbit(model, intr, poses_dir, params)
+            atomic_write_bytes(tmp / orbit["file"], data)
+        env = environment(params_path)
+        metrics = summarize(per_view, intr, summary, model, model_dir, env, orbit)
+        atomic_write_json(tmp / "metrics.json", ns_eval_results(per_view, intr, metrics, model_dir))
+    atomic_write_json(metrics_path, metrics)
+    return metrics
 
+
+def summarize(per_view: list[dict], intr: Intrinsics, summary: dict, model: Any, model_dir: Path, env: dict,
+              orbit: dict | None) -> dict[str, Any]:
+    """The flat metrics of ``<metrics>`` (see the module docstring)."""
     psnrs = [r["psnr"] for r in per_view]
     ssims = [r["ssim"] for r in per_view]
     total_s = sum(r["render_time_s"] for r in per_view)
@@ -262,8 +438,8 @@ def run(
         "ssim_std": _std(ssims),
         "lpips": None,
         "lpips_note": LPIPS_NOTE,
-        "fps": len(views) / total_s if total_s > 0 else math.inf,
-        "num_test_views": len(views),
+        "fps": len(per_view) / total_s if total_s > 0 else math.inf,
+        "num_test_views": len(per_view),
         "width": intr.width,
         "height": intr.height,
     }
@@ -273,11 +449,34 @@ def run(
         metrics["num_params"] = getattr(model, "num_params", None)
     if metrics["method"] is None:
         metrics["method"] = getattr(model, "method", None)
+    weights = model_dir / "model.pt"
+    metrics["model_size_bytes"] = weights.stat().st_size if weights.is_file() else None
     metrics["eval_device"] = str(getattr(model, "device", "unknown"))
     metrics["ssim_convention"] = M.SSIM_CONVENTION
-    metrics["environment"] = environment(params_path)
-    atomic_write_json(metrics_path, metrics)
+    metrics["orbit"] = orbit
+    metrics["environment"] = env
     return metrics
+
+
+def ns_eval_results(per_view: list[dict], intr: Intrinsics, metrics: dict, model_dir: Path) -> dict:
+    """``metrics.json`` as nerfstudio's ``ns-eval`` writes it: means and sample standard deviations
+    over the test views (fps and rays/s per view, from each view's render time)."""
+    times = [r["render_time_s"] for r in per_view]
+    fps = [1.0 / t if t > 0 else math.inf for t in times]
+    rays = [intr.width * intr.height * f for f in fps]
+    sha = (metrics.get("environment") or {}).get("params_sha256")
+    return {
+        "experiment_name": f"rayforge-{sha[:12]}" if sha else "rayforge",
+        "method_name": metrics.get("method"),
+        "checkpoint": str(model_dir / "model.pt"),
+        "results": {
+            "psnr": metrics["psnr"], "psnr_std": metrics["psnr_std"],
+            "ssim": metrics["ssim"], "ssim_std": metrics["ssim_std"],
+            "lpips": None, "lpips_std": None,
+            "num_rays_per_sec": float(np.mean(rays)), "num_rays_per_sec_std": _std(rays),
+            "fps": float(np.mean(fps)), "fps_std": _std(fps),
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,8 +496,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"evaluate: error: {exc}", file=sys.stderr)
         return 1
+    orbit = f", orbit {args.out / m['orbit']['file']}" if m.get("orbit") else ""
     print(f"PSNR {m['psnr']:.2f} dB  SSIM {m['ssim']:.4f}  {m['fps']:.2f} views/s  "
-          f"({m['num_test_views']} test views, {m['width']}x{m['height']}) -> {args.metrics}")
+          f"({m['num_test_views']} test views, {m['width']}x{m['height']}) -> {args.metrics}{orbit}")
     return 0
 
 

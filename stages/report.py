@@ -1,18 +1,24 @@
 """Report stage: one Markdown and one self-contained HTML page with the run's numbers and pictures.
 
     python -m stages.report --evaluate data/evaluate --metrics-dir data/metrics \
-        --plots data/plots/train.csv --poses data/poses --out data/report [--params params.yaml]
+        --plots data/plots/train.csv --poses data/poses --out data/report \
+        [--params params.yaml] [--scaling runs.json]
 
-Writes ``<out>/report.md`` with its pictures in ``<out>/assets/*.png``, and
-``<out>/report.html`` with the same pictures embedded as ``data:`` URIs and inline CSS,
-so that page opens offline and can be mailed or attached as a CI/Prefect artifact on its
-own. Contents: a summary table (poses, reconstruct, evaluate), the protocol (split,
-resolution, metric definitions), per-view scores, for up to ``report.max_views`` test
-views a row ground truth | render | error heatmap, the training curves of
-``train.csv``, the environment, and every scalar of the metrics files.
+Writes ``<out>/report.md`` with its pictures in ``<out>/assets/``, and ``<out>/report.html``
+with the same pictures embedded as ``data:`` URIs and inline CSS, so that page opens
+offline and can be mailed or attached as a CI/Prefect artifact on its own. Contents:
 
-Pictures are drawn with numpy and PIL only (no matplotlib). The last line printed by
-``main`` is ``Report: <absolute path of report.html>``.
+* a summary table (poses, reconstruct, evaluate);
+* published reference numbers for the scene (``stages/reference_numbers.yaml``), in a
+  table of their own, with the ways our protocol differs from the papers';
+* the protocol (split, resolution, metric definitions) and the per-view scores;
+* for up to ``report.max_views`` test views a row ground truth | render | error heatmap;
+* the orbit animation of the evaluate stage, the training curves of ``train.csv``;
+* with ``--scaling``, a scaling table over runs at several GPU counts (:func:`scaling_rows`);
+* the environment, how to reproduce the run exactly, and every scalar of the metrics files.
+
+The pictures are drawn by ``stages.common.plots``. The last line printed by ``main`` is
+``Report: <absolute path of report.html>``.
 """
 from __future__ import annotations
 
@@ -20,7 +26,6 @@ import argparse
 import base64
 import csv
 import html
-import io
 import json
 import logging
 import math
@@ -31,20 +36,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageDraw, ImageFont
+import yaml
+from PIL import Image
 
 from stages.common.io import atomic_dir, atomic_write_bytes, atomic_write_text
 from stages.common.params import DEFAULT_PARAMS, check, from_dict, read_yaml
+from stages.common.plots import ERROR_MAX, MIME, png_bytes, training_curve, view_row
 
 log = logging.getLogger("report")
 
-ERROR_MAX = 0.25  # error heatmap scale: |render - gt| (mean over RGB) from 0 to this
-SMOOTH_ABOVE = 200  # a curve of more points is drawn pale with its running mean on top
-PANEL_MAX = 400  # longest side of a GT / render / error panel in the report, pixels: larger images shrink
-PANEL_MIN = 240  # ... and smaller ones grow by a whole factor to at least this
-# inferno (matplotlib), sampled at 9 evenly spaced points; linear in between
-_INFERNO = np.array([[0, 0, 4], [31, 12, 72], [85, 15, 109], [136, 34, 106], [186, 54, 85], [227, 89, 51],
-                     [249, 140, 10], [249, 201, 50], [252, 255, 164]], dtype=np.float64)
+REFERENCES = Path(__file__).resolve().with_name("reference_numbers.yaml")
 
 
 @dataclass
@@ -52,188 +53,155 @@ class ReportParams:
     """Section ``report`` of params.yaml."""
 
     max_views: int = 6  # test views shown as GT | render | error rows
+    scene: str = ""  # scene name for the title and the published numbers; "" = from ingest.photos
 
     def __post_init__(self) -> None:
         check(self.max_views >= 1, "max_views", "must be >= 1", self.max_views)
 
 
-# ---------------------------------------------------------------- pictures
+# ---------------------------------------------------------------- scaling
 
 
-def colormap(x: np.ndarray) -> np.ndarray:
-    """Values in [0, 1] [...] -> RGB uint8 [..., 3] (inferno: black, purple, orange, pale yellow)."""
-    t = np.clip(np.nan_to_num(x), 0.0, 1.0) * (len(_INFERNO) - 1)
-    i = np.minimum(np.floor(t).astype(int), len(_INFERNO) - 2)
-    f = (t - i)[..., None]
-    return np.round(_INFERNO[i] * (1 - f) + _INFERNO[i + 1] * f).astype(np.uint8)
+def _number(run: dict, key: str, where: str, required: bool, positive: bool) -> float | None:
+    v = run.get(key)
+    if v is None:
+        if required:
+            raise ValueError(f"{where}: {key!r} is missing")
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{where}: {key!r} must be a finite number, got {v!r}")
+    if positive and v <= 0:
+        raise ValueError(f"{where}: {key!r} must be > 0, got {v!r}")
+    return float(v)
 
 
-def error_image(render: np.ndarray, gt: np.ndarray, vmax: float = ERROR_MAX) -> np.ndarray:
-    """|render - gt| averaged over RGB, colour-mapped on the fixed scale [0, vmax]; uint8 [H, W, 3]."""
-    err = np.abs(render.astype(np.float64) - gt.astype(np.float64)).mean(axis=-1) / 255.0
-    return colormap(err / vmax)
+def scaling_rows(runs: list[dict]) -> list[dict]:
+    """Speedup and parallel efficiency of one workload run at several GPU counts.
 
-
-def _font(size: int) -> ImageFont.ImageFont:
-    try:
-        return ImageFont.load_default(size=size)
-    except (TypeError, OSError):  # Pillow without FreeType: the fixed bitmap font
-        return ImageFont.load_default()
-
-
-def png_bytes(img: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG", optimize=True)
-    return buf.getvalue()
-
-
-def _fmt_tick(v: float, step: float) -> str:
-    decimals = max(0, -math.floor(math.log10(step) + 1e-9)) if step > 0 else 0
-    return f"{v:.{decimals}f}" if abs(v) < 1e6 else f"{v:.2g}"
-
-
-def nice_ticks(lo: float, hi: float, n: int = 5) -> tuple[list[float], float]:
-    """About ``n`` round tick values (1, 2 or 5 times a power of ten apart) within [lo, hi]."""
-    if not (math.isfinite(lo) and math.isfinite(hi)) or hi <= lo:
-        return [lo], 1.0
-    raw = (hi - lo) / max(n, 1)
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
-    first = math.ceil(lo / step - 1e-9) * step
-    ticks = [first + k * step for k in range(int((hi - first) / step + 1e-9) + 1)]
-    return [round(t, 12) for t in ticks], step
-
-
-def view_row(gt: np.ndarray, render: np.ndarray, title: str, caption: str) -> Image.Image:
-    """One report row: ground truth | render | error heatmap, two label lines each, and a colour bar.
+    The baseline is the run with the fewest GPUs (the first of them in input order). The
+    throughput compared is ``samples_per_s`` when every run has it, else ``1 / wall_s`` (the
+    same work in every run). The speedup is counted from one GPU, taking the baseline as
+    perfectly efficient: ``speedup = throughput / (baseline throughput / baseline gpus)``,
+    so a baseline of 1 GPU has speedup 1 and one of 2 GPUs has speedup 2;
+    ``efficiency = speedup / gpus``.
 
     Args:
-        gt: ground truth uint8 [H, W, 3].
-        render: the render uint8 [H, W, 3].
-        title: the view's name, under "ground truth".
-        caption: the view's scores, under "render".
+        runs: ``[{"gpus": int >= 1, "wall_s": float > 0 | None, "samples_per_s": float > 0 | None,
+            "psnr": float | None, ...}]``, any order; other keys are kept. ``wall_s`` may be
+            None only where every run has ``samples_per_s``.
+
+    Returns:
+        New dicts sorted by ``gpus`` (ties in input order), each the run plus ``speedup``,
+        ``efficiency``, ``delta_psnr`` (PSNR minus the baseline's; None where either is
+        missing) and ``speedup_basis`` (``"samples_per_s"`` or ``"wall_s"``).
+
+    Raises:
+        ValueError: no runs, or a run whose ``gpus``, ``wall_s``, ``samples_per_s`` or
+            ``psnr`` is malformed, or that lacks what the comparison needs (the message
+            names the run's index and key).
+
+    Example:
+        >>> rows = scaling_rows([{"gpus": 1, "wall_s": 100.0, "samples_per_s": 1e6},
+        ...                      {"gpus": 4, "wall_s": 30.0, "samples_per_s": 3.6e6}])
+        >>> rows[1]["speedup"], rows[1]["efficiency"]
+        (3.6, 0.9)
     """
-    h, w = gt.shape[:2]
-    if max(h, w) > PANEL_MAX:  # shrink large photos smoothly
-        scale, resample = PANEL_MAX / max(h, w), Image.Resampling.LANCZOS
-    else:  # blow small images up by a whole factor, pixels kept sharp, so labels and colour bar fit
-        scale, resample = float(math.ceil(PANEL_MIN / max(h, w))), Image.Resampling.NEAREST
-    pw, ph = max(1, round(w * scale)), max(1, round(h * scale))
-    panels = [Image.fromarray(a) if scale == 1 else Image.fromarray(a).resize((pw, ph), resample)
-              for a in (gt, render, error_image(render, gt))]
-    gap, band, bar_w, bottom = 8, 36, 70, 8
-    font = _font(13)
-    row = Image.new("RGB", (3 * pw + 3 * gap + bar_w, band + ph + bottom), "white")
-    draw = ImageDraw.Draw(row)
-    labels = [("ground truth", title), ("render", caption), ("|error|, mean over RGB", f"scale 0 to {ERROR_MAX:g}")]
-    for k, (panel, (head, sub)) in enumerate(zip(panels, labels)):
-        x = k * (pw + gap)
-        row.paste(panel, (x, band))
-        label = Image.new("RGB", (pw, band), "white")  # drawn on its own strip: clipped, never overlapping
-        ld = ImageDraw.Draw(label)
-        ld.text((1, 2), head, fill=(20, 20, 20), font=font)
-        ld.text((1, 18), sub, fill=(90, 90, 90), font=font)
-        row.paste(label, (x, 0))
-    # colour bar: top = ERROR_MAX, bottom = 0
-    x0, y0, bh = 3 * (pw + gap), band, ph
-    ramp = colormap(np.linspace(1.0, 0.0, bh))[:, None, :].repeat(14, axis=1)
-    row.paste(Image.fromarray(ramp), (x0, y0))
-    draw.rectangle([x0, y0, x0 + 13, y0 + bh - 1], outline=(60, 60, 60))
-    ticks, step = nice_ticks(0.0, ERROR_MAX, 5)
-    for t in ticks:
-        y = y0 + round((1 - t / ERROR_MAX) * (bh - 1))
-        draw.line([x0 + 14, y, x0 + 18, y], fill=(60, 60, 60))
-        draw.text((x0 + 21, y - 7), _fmt_tick(t, step), fill=(30, 30, 30), font=font)
-    return row
+    if not isinstance(runs, list) or not runs:
+        raise ValueError(f"scaling: expected a non-empty list of runs, got {runs!r}")
+    checked = []
+    for i, run in enumerate(runs):
+        where = f"scaling run {i}"
+        if not isinstance(run, dict):
+            raise ValueError(f"{where}: expected an object, got {run!r}")
+        gpus = run.get("gpus")
+        if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+            raise ValueError(f"{where}: 'gpus' must be an integer >= 1, got {gpus!r}")
+        wall = _number(run, "wall_s", where, required=False, positive=True)
+        sps = _number(run, "samples_per_s", where, required=False, positive=True)
+        psnr = _number(run, "psnr", where, required=False, positive=False)
+        checked.append((gpus, i, run, wall, sps, psnr))
+    by_samples = all(c[4] is not None for c in checked)
+    if not by_samples:  # compared by wall time: every run needs one
+        for c in checked:
+            if c[3] is None:
+                raise ValueError(f"scaling run {c[1]}: 'wall_s' is missing (needed since not every run has "
+                                 "'samples_per_s')")
+    checked.sort(key=lambda c: (c[0], c[1]))
+    basis = "samples_per_s" if by_samples else "wall_s"
+
+    def throughput(c: tuple) -> float:
+        return c[4] if by_samples else 1.0 / c[3]
+
+    base = checked[0]
+    per_gpu = throughput(base) / base[0]
+    rows = []
+    for c in checked:
+        speedup = throughput(c) / per_gpu
+        delta = None if c[5] is None or base[5] is None else c[5] - base[5]
+        rows.append({**c[2], "speedup": round(speedup, 6), "efficiency": round(speedup / c[0], 6),
+                     "delta_psnr": delta, "speedup_basis": basis})
+    return rows
 
 
-@dataclass
-class Series:
-    x: list[float]
-    y: list[float]
-    color: tuple[int, int, int]
-    label: str
-    markers: bool = False
+def read_scaling(path: str | Path) -> dict:
+    """A scaling file: ``{"scene": str, "method": str, "runs": [...]}`` (see :func:`scaling_rows`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"scaling file not found: {path}")
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
+        raise ValueError(f"{path}: expected {{\"scene\", \"method\", \"runs\": [...]}}")
+    try:
+        rows = scaling_rows(doc["runs"])
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return {"scene": doc.get("scene"), "method": doc.get("method"), "rows": rows}
 
 
-def _plot_panel(draw: ImageDraw.ImageDraw, box: tuple[int, int, int, int], series: list[Series], title: str,
-                xlabel: str, log_y: bool, s: int) -> None:
-    """One line chart inside ``box`` (x0, y0, x1, y1) of an image drawn at ``s`` times its final size."""
-    font, small = _font(15 * s), _font(12 * s)
-    x0, y0, x1, y1 = box
-    ax0, ay0, ax1, ay1 = x0 + 62 * s, y0 + 32 * s, x1 - 26 * s, y1 - 44 * s  # the plotting area
-    draw.text((ax0, y0 + 8 * s), title, fill=(20, 20, 20), font=font)
-    pts = [(x, y) for se in series for x, y in zip(se.x, se.y) if math.isfinite(y) and (y > 0 or not log_y)]
-    if not pts:
-        draw.text((ax0 + 10 * s, (ay0 + ay1) // 2), "no data", fill=(120, 120, 120), font=font)
-        return
-    fy = (lambda v: math.log10(v)) if log_y else (lambda v: v)
-    xlo, xhi = min(p[0] for p in pts), max(p[0] for p in pts)
-    ylo, yhi = min(fy(p[1]) for p in pts), max(fy(p[1]) for p in pts)
-    if xhi == xlo:
-        xlo, xhi = xlo - 1, xhi + 1
-    if 0 <= xlo <= 0.05 * (xhi - xlo):  # steps from 1: start the axis at 0
-        xlo = 0.0
-    pad = 0.05 * (yhi - ylo) if yhi > ylo else (0.5 if log_y else max(abs(yhi) * 0.05, 0.5))
-    ylo, yhi = ylo - pad, yhi + pad
+# ---------------------------------------------------------------- published numbers
 
-    def px(x: float) -> float:
-        return ax0 + (x - xlo) / (xhi - xlo) * (ax1 - ax0)
 
-    def py(v: float) -> float:  # v already in axis units (log10 for a log axis)
-        return ay1 - (v - ylo) / (yhi - ylo) * (ay1 - ay0)
+def load_references(path: str | Path = REFERENCES) -> dict[str, dict]:
+    """``scenes`` of the published-numbers file, with every alias as a key of its own (lower case)."""
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"{path}: cannot read the published numbers: {exc}") from None
+    scenes = doc.get("scenes") if isinstance(doc, dict) else None
+    if not isinstance(scenes, dict):
+        raise ValueError(f"{path}: expected a 'scenes' mapping")
+    out = {}
+    for name, entry in scenes.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("results", []), list):
+            raise ValueError(f"{path}: scene {name!r}: expected a mapping with a 'results' list")
+        for key in [name, *entry.get("aliases", [])]:
+            out[str(key).lower()] = {**entry, "name": name}
+    return out
 
-    grid, ink = (225, 225, 225), (60, 60, 60)
-    xt, xstep = nice_ticks(xlo, xhi, 6)
-    for t in xt:
-        draw.line([px(t), ay0, px(t), ay1], fill=grid, width=s)
-        label = _fmt_tick(t, xstep)
-        tw = draw.textlength(label, font=small)
-        draw.text((px(t) - tw / 2, ay1 + 5 * s), label, fill=ink, font=small)
-    if log_y:
-        lo, hi = 10**ylo, 10**yhi
-        yt = [m * 10.0**k for k in range(math.floor(ylo) - 1, math.ceil(yhi) + 1) for m in (1, 2, 5)
-              if lo <= m * 10.0**k <= hi]
-        if len(yt) < 2:
-            yt, _ = nice_ticks(lo, hi, 4)
-        ylabels = [f"{t:.3g}" for t in yt]
-        ypos = [py(math.log10(t)) for t in yt if t > 0]
-    else:
-        yt, ystep = nice_ticks(ylo, yhi, 5)
-        ylabels = [_fmt_tick(t, ystep) for t in yt]
-        ypos = [py(t) for t in yt]
-    for y, label in zip(ypos, ylabels):
-        draw.line([ax0, y, ax1, y], fill=grid, width=s)
-        tw = draw.textlength(label, font=small)
-        draw.text((ax0 - tw - 6 * s, y - 7 * s), label, fill=ink, font=small)
-    draw.rectangle([ax0, ay0, ax1, ay1], outline=ink, width=s)
-    xw = draw.textlength(xlabel, font=font)
-    draw.text(((ax0 + ax1) / 2 - xw / 2, ay1 + 22 * s), xlabel, fill=ink, font=font)
-    legend_x = ax1  # legend entries right-aligned in the header band, right to left
-    for se in reversed(series):
-        lw = draw.textlength(se.label, font=small)
-        ly = y0 + 10 * s
-        draw.text((legend_x - lw, ly), se.label, fill=ink, font=small)
-        draw.line([legend_x - lw - 26 * s, ly + 7 * s, legend_x - lw - 6 * s, ly + 7 * s], fill=se.color,
-                  width=3 * s)
-        legend_x -= lw + 42 * s
-    for se in series:
-        xy = [(px(x), py(fy(y))) for x, y in zip(se.x, se.y) if math.isfinite(y) and (y > 0 or not log_y)]
-        if not xy:
-            continue
-        if len(xy) > SMOOTH_ABOVE and not se.markers:
-            # noisy per-batch values: the raw line pale, a running mean (in axis units) on top
-            pale = tuple(round(c + 0.65 * (255 - c)) for c in se.color)
-            draw.line(xy, fill=pale, width=s)
-            k = max(2, len(xy) // 50)
-            ys = np.convolve([p[1] for p in xy], np.ones(k) / k, mode="valid")
-            xy = list(zip([p[0] for p in xy][k // 2:k // 2 + len(ys)], ys.tolist()))
-        if len(xy) > 1:
-            draw.line(xy, fill=se.color, width=2 * s, joint="curve")
-        if se.markers or len(xy) == 1:
-            r = 3 * s
-            for x, y in xy:
-                draw.ellipse([x - r, y - r, x + r, y + r], fill=se.color)
+
+def protocol_differences(ref: dict, ev: dict, method: str) -> list[str]:
+    """Where this run's protocol differs from the one the published numbers used."""
+    proto = ref.get("protocol") or {}
+    notes = []
+    w, h = ev.get("width"), ev.get("height")
+    if proto.get("width") and (w, h) != (proto.get("width"), proto.get("height")):
+        notes.append(f"resolution: ours {w}x{h}, published {proto['width']}x{proto['height']} "
+                     "(PSNR is not comparable across resolutions: downsampling removes the finest detail)")
+    n = ev.get("num_test_views")
+    if proto.get("test_views") and n != proto["test_views"]:
+        notes.append(f"test views: ours {n}, published {proto['test_views']}")
+    if proto.get("split"):
+        notes.append(f"published split: {proto['split']}")
+    if ev.get("lpips") is None:
+        notes.append("LPIPS: not computed here, so only PSNR and SSIM can be set side by side")
+    notes.append(f"method: ours is rayforge's {method} ({fmt(ev.get('steps'))} steps on "
+                 f"{ev.get('gpu_name') or ev.get('device') or 'n/a'}); each published row is its paper's own "
+                 "method, schedule and GPU")
+    return notes
 
 
 def read_train_csv(path: Path) -> dict[str, list[float]]:
@@ -249,23 +217,6 @@ def read_train_csv(path: Path) -> dict[str, list[float]]:
                 except ValueError:
                     raise ValueError(f"{path}:{n}: column {name!r} is not a number: {cell!r}") from None
     return cols
-
-
-def training_curve(cols: dict[str, list[float]]) -> Image.Image:
-    """PSNR (train and held-out) and loss against step, two panels side by side."""
-    s, pw, ph = 2, 560, 340  # drawn at s x size, then downsampled: smooth lines without anti-aliasing
-    img = Image.new("RGB", (2 * pw * s, ph * s), "white")
-    draw = ImageDraw.Draw(img)
-    step = cols.get("step", [])
-    smooth = " (pale: raw, dark: running mean)" if len(step) > SMOOTH_ABOVE else ""
-    psnr_series = [Series(step, cols.get("psnr", []), (31, 119, 180), "train batches")]
-    if any(math.isfinite(v) for v in cols.get("test_psnr", [])):
-        psnr_series.append(Series(step, cols["test_psnr"], (230, 97, 1), "test views", markers=True))
-    loss_series = [Series(step, cols.get("loss", []), (44, 160, 44), "loss")]
-    _plot_panel(draw, (0, 0, pw * s, ph * s), psnr_series, "PSNR (dB)", "step" + smooth, False, s)
-    _plot_panel(draw, (pw * s, 0, 2 * pw * s, ph * s), loss_series, "Training loss (log scale)", "step" + smooth,
-                True, s)
-    return img.resize((2 * pw, ph), Image.Resampling.LANCZOS)
 
 
 # ---------------------------------------------------------------- numbers and text
@@ -394,6 +345,91 @@ code,pre{font-family:SFMono-Regular,Consolas,monospace;font-size:.88em}pre{backg
 overflow-x:auto}.sub{color:#666}details{margin:.5em 0}
 """
 
+class Doc:
+    """The report, built once as Markdown and once as HTML: each call appends to both."""
+
+    def __init__(self, assets: dict[str, bytes]):
+        self.md: list[str] = []
+        self.html: list[str] = []
+        self.assets = assets
+
+    def h2(self, title: str) -> None:
+        self.md.append(f"\n## {title}\n")
+        self.html.append(f"<h2>{html.escape(title)}</h2>")
+
+    def h3(self, title: str) -> None:
+        self.md.append(f"\n### {title}\n")
+        self.html.append(f"<h3>{html.escape(title)}</h3>")
+
+    def para(self, text: str, em: bool = False) -> None:
+        self.md.append(f"\n_{text}_\n" if em else f"\n{text}\n")
+        self.html.append(f"<p><em>{html.escape(text)}</em></p>" if em else f"<p>{html.escape(text)}</p>")
+
+    def bullets(self, items: list[str]) -> None:
+        self.md.append("\n" + "".join(f"- {t}\n" for t in items))
+        self.html.append("<ul>" + "".join(f"<li>{html.escape(t)}</li>" for t in items) + "</ul>")
+
+    def table(self, header: list[str], rows: list[list[str]], cls: str) -> None:
+        self.md.append("\n" + _md_table(header, rows))
+        self.html.append(_html_table(header, rows, cls))
+
+    def code(self, text: str) -> None:
+        self.md.append(f"\n```\n{text}\n```\n")
+        self.html.append(f"<pre><code>{html.escape(text)}</code></pre>")
+
+    def figure(self, asset: str, alt: str, caption: str = "", link: bool = False) -> None:
+        path = f"assets/{asset}"
+        self.md.append(f"\n![{alt}]({path})\n" + (f"\n[{alt} ({asset})]({path})\n" if link else ""))
+        mime = MIME[asset.rsplit(".", 1)[-1].lower()]
+        data = base64.b64encode(self.assets[asset]).decode("ascii")
+        cap = f"<figcaption>{html.escape(caption)}</figcaption>" if caption else ""
+        self.html.append(f'<figure><img src="data:{mime};base64,{data}" alt="{html.escape(alt)}">{cap}</figure>')
+
+    def details(self, summary: str, header: list[str], rows: list[list[str]], cls: str) -> None:
+        self.md.append(f"\n#### {summary}\n\n" + _md_table(header, rows))
+        self.html.append(f"<details><summary>{html.escape(summary)}</summary>{_html_table(header, rows, cls)}"
+                         "</details>")
+
+
+def _load_view_images(per_view: list[dict], evaluate_dir: Path, poses_dir: Path) -> dict[str, tuple[Path, Path]]:
+    """Render and ground-truth paths of every test view, checked to exist and to match in size."""
+    if not isinstance(per_view, list) or not per_view:
+        raise ValueError(f"{evaluate_dir / 'per_view.json'}: lists no test views; nothing to report "
+                         "(rerun `dvc repro evaluate`)")
+    gt_files = {}
+    if (poses_dir / "transforms.json").is_file():
+        from stages.common.cameras import read_transforms
+
+        _, files, _, _ = read_transforms(poses_dir / "transforms.json")
+        gt_files = {Path(f).name: poses_dir / f for f in files}
+    out = {}
+    for k, row in enumerate(per_view):
+        missing = [key for key in ("file", "psnr", "ssim", "render_time_s") if not isinstance(row, dict)
+                   or key not in row]
+        if missing:
+            raise ValueError(f"{evaluate_dir / 'per_view.json'}: entry {k} lacks {', '.join(missing)}")
+        name = row["file"]
+        render_path = evaluate_dir / "renders" / f"{Path(name).stem}.png"
+        gt_path = gt_files.get(name, poses_dir / "images" / name)
+        if not render_path.is_file():
+            raise ValueError(f"{render_path}: missing render of test view {name} (per_view.json lists it); "
+                             "rerun `dvc repro evaluate`")
+        if not gt_path.is_file():
+            raise ValueError(f"{gt_path}: missing ground truth of test view {name}")
+        with Image.open(gt_path) as a, Image.open(render_path) as b:
+            if a.size != b.size:
+                raise ValueError(f"{render_path} is {b.size[0]}x{b.size[1]} but its ground truth {gt_path} is "
+                                 f"{a.size[0]}x{a.size[1]}")
+        out[name] = (render_path, gt_path)
+    return out
+
+
+def _train_time(v: Any) -> str:
+    if v is None:
+        return "n/a"
+    v = float(v)
+    return f"{fmt(v, 1)} s" + (f" ({v / 60:.1f} min)" if v >= 120 else "")
+
 
 def run(
     params: ReportParams,
@@ -404,21 +440,28 @@ def run(
     out_dir: str | Path,
     scene: str | None = None,
     test_every: int | None = None,
+    scaling: str | Path | None = None,
+    photos: str | None = None,
+    references: str | Path = REFERENCES,
 ) -> dict:
     """Write ``report.md`` (+ ``assets/``) and ``report.html`` into ``out_dir``.
 
     Args:
-        params: the ``report`` section.
-        evaluate_dir: the evaluate stage's out (``renders/``, ``per_view.json``).
+        params: the ``report`` section (``params.scene``, when set, overrides ``scene``).
+        evaluate_dir: the evaluate stage's out (``renders/``, ``per_view.json``, the orbit).
         metrics_dir: holds ``evaluate.json`` (required), ``poses.json`` and ``reconstruct.json``.
         plots_csv: the training curve ``train.csv`` (optional: a note replaces the chart).
         poses_dir: the poses stage's out (ground-truth images, ``split.json``).
         out_dir: this stage's out folder (replaced atomically).
-        scene: a name for the title (default: "scene").
+        scene: a name for the title and the published-numbers lookup (default: "scene").
         test_every: ``poses.test_every``, to state the split rule (inferred from split.json when None).
+        scaling: a JSON file of runs at several GPU counts (:func:`read_scaling`); None: no table.
+        photos: ``ingest.photos``, for the reproduce block.
+        references: the published-numbers file.
 
     Returns:
-        ``{"html", "md", "assets", "views"}``: the final paths and the number of views shown.
+        ``{"html", "md", "assets", "views", "published"}``: the final paths, the number of
+        views shown and the number of published rows shown.
     """
     evaluate_dir, metrics_dir, plots_csv, poses_dir, out_dir = map(
         Path, (evaluate_dir, metrics_dir, plots_csv, poses_dir, out_dir))
@@ -427,36 +470,34 @@ def run(
     rec_m = _read_json(metrics_dir / "reconstruct.json", required=False)
     per_view = _read_json(evaluate_dir / "per_view.json", required=True)
     split = _read_json(poses_dir / "split.json", required=False) or {}
+    scaling_doc = read_scaling(scaling) if scaling is not None else None
+    refs = load_references(references)
     env = ev.get("environment") or {}
     method = ev.get("method") or "?"
-    scene = scene or "scene"
+    scene = params.scene or scene or "scene"
+    ref = refs.get(scene.lower())
 
     # ---- pictures
-    gt_files = {}
-    if (poses_dir / "transforms.json").is_file():
-        from stages.common.cameras import read_transforms
-
-        _, files, _, _ = read_transforms(poses_dir / "transforms.json")
-        gt_files = {Path(f).name: poses_dir / f for f in files}
+    images = _load_view_images(per_view, evaluate_dir, poses_dir)  # every view checked, not just those shown
     assets: dict[str, bytes] = {}
     views = []
     for i in _select(len(per_view), params.max_views):
         row = per_view[i]
         name = row["file"]
-        render_path = evaluate_dir / "renders" / f"{Path(name).stem}.png"
-        gt_path = gt_files.get(name, poses_dir / "images" / name)
-        for p in (render_path, gt_path):
-            if not p.is_file():
-                raise ValueError(f"{p}: missing; the report shows it for test view {name}")
+        render_path, gt_path = images[name]
         with Image.open(gt_path) as a, Image.open(render_path) as b:
             gt, rd = np.array(a.convert("RGB")), np.array(b.convert("RGB"))
-        if gt.shape != rd.shape:
-            raise ValueError(f"{render_path} is {rd.shape[1]}x{rd.shape[0]} but {gt_path} is "
-                             f"{gt.shape[1]}x{gt.shape[0]}")
         caption = f"PSNR {row['psnr']:.2f} dB, SSIM {row['ssim']:.4f}"
         asset = f"row_{Path(name).stem}.png"
         assets[asset] = png_bytes(view_row(gt, rd, name, caption))
         views.append((asset, name, caption))
+    orbit = ev.get("orbit") if isinstance(ev.get("orbit"), dict) else None
+    if orbit:
+        orbit_path = evaluate_dir / str(orbit.get("file"))
+        if not orbit_path.is_file():
+            raise ValueError(f"{orbit_path}: missing; evaluate.json names it as the orbit animation "
+                             "(rerun `dvc repro evaluate`)")
+        assets[orbit_path.name] = orbit_path.read_bytes()
     curve_note = None
     if plots_csv.is_file():
         cols = read_train_csv(plots_csv)
@@ -469,31 +510,30 @@ def run(
 
     # ---- tables
     summary: list[list[str]] = [["poses", k, v] for k, v in poses_summary(poses_m)]
-    steps = _pick([rec_m, ev], "steps")
-    train_time = _pick([rec_m, ev], "train_time_s")
     summary += [
         ["reconstruct", "method", fmt(method)],
-        ["reconstruct", "steps", fmt(steps)],
-        ["reconstruct", "train time", "n/a" if train_time is None else f"{fmt(float(train_time), 1)} s"
-         + (f" ({float(train_time) / 60:.1f} min)" if float(train_time) >= 120 else "")],
+        ["reconstruct", "steps", fmt(_pick([rec_m, ev], "steps"))],
+        ["reconstruct", "train time", _train_time(_pick([rec_m, ev], "train_time_s"))],
         ["reconstruct", "device", f"{fmt(ev.get('device'))}" + (f" ({ev['gpu_name']} x{ev.get('gpu_count')})"
                                                                 if ev.get("gpu_name") else "")],
         ["reconstruct", "world size", fmt(ev.get("world_size"))],
         ["reconstruct", "peak GPU memory", fmt_bytes(ev.get("peak_gpu_memory_bytes"))],
-        ["reconstruct", "parameters", fmt(ev.get("num_params"))],
+        ["reconstruct", "parameters", fmt(ev.get("num_params"))
+         + (f" (model.pt {fmt_bytes(ev['model_size_bytes'])})" if ev.get("model_size_bytes") else "")],
     ]
     if isinstance(rec_m, dict) and rec_m.get("rays_per_s") is not None:
         summary.append(["reconstruct", "training throughput", f"{fmt(rec_m['rays_per_s'])} rays/s"
                         + (f", {fmt(rec_m['samples_per_s'])} samples/s" if rec_m.get("samples_per_s") else "")])
     if isinstance(rec_m, dict) and rec_m.get("final_train_psnr") is not None:
         summary.append(["reconstruct", "final training-batch PSNR", f"{fmt(rec_m['final_train_psnr'], 2)} dB"])
-    summary += [
+    ours = [
         ["evaluate", "PSNR", f"{fmt(ev.get('psnr'), 2)} ± {fmt(ev.get('psnr_std'), 2)} dB"],
         ["evaluate", "SSIM", f"{fmt(ev.get('ssim'), 4)} ± {fmt(ev.get('ssim_std'), 4)}"],
         ["evaluate", "LPIPS", fmt(ev.get("lpips")) + (f" ({ev['lpips_note']})" if ev.get("lpips_note") else "")],
         ["evaluate", "render speed", f"{fmt(ev.get('fps'), 2)} views/s"],
         ["evaluate", "test views", f"{fmt(ev.get('num_test_views'))} at {ev.get('width')}x{ev.get('height')}"],
     ]
+    summary += ours
     split_rule = (describe_split(split.get("train", []), split.get("test", []), test_every)
                   if split.get("test") else "split.json not available")
     protocol = [
@@ -512,17 +552,23 @@ def run(
     ]
     per_view_rows = [[r["file"], f"{r['psnr']:.2f}", f"{r['ssim']:.4f}", f"{r['render_time_s']:.3f}"]
                      for r in per_view]
+    libs = env.get("libraries") if isinstance(env.get("libraries"), dict) else {}
     env_rows = [
         ["code revision", fmt(env.get("code_revision")) + (" (dirty)" if env.get("code_dirty") else "")],
         ["params sha256", fmt(env.get("params_sha256")) + (f" ({env['params_sha256_of']})"
                                                             if env.get("params_sha256_of") else "")],
-        ["torch", fmt(env.get("torch_version"))],
+        ["seed", fmt(ev.get("seed"))],
+        ["torch", fmt(env.get("torch_version")) + (f" (CUDA {env['cuda_version']})" if env.get("cuda_version")
+                                                   else "")],
+        ["libraries", ", ".join(f"{k} {v}" for k, v in libs.items() if v) or "n/a"],
         ["python", fmt(env.get("python_version"))],
         ["platform", fmt(env.get("platform"))],
         ["train device", fmt(ev.get("device"))],
-        ["GPU", f"{ev['gpu_name']} x{fmt(ev.get('gpu_count'))}" if ev.get("gpu_name") else "none"],
+        ["train GPU", f"{ev['gpu_name']} x{fmt(ev.get('gpu_count'))}" if ev.get("gpu_name") else "none"],
         ["world size", fmt(ev.get("world_size"))],
-        ["evaluation device", fmt(ev.get("eval_device"))],
+        ["evaluation device", fmt(ev.get("eval_device"))
+         + (f" ({env['eval_gpu_name']} x{env.get('eval_gpu_count')})" if env.get("eval_gpu_name") else "")],
+        ["GPU driver (evaluating host)", fmt(env.get("gpu_driver")) if env.get("gpu_driver") else "none"],
     ]
     all_metrics = [(name, [[k, fmt(v, 6)] for k, v in flatten(doc)])
                    for name, doc in (("poses.json", poses_m), ("reconstruct.json", rec_m), ("evaluate.json", ev))
@@ -531,60 +577,155 @@ def run(
     views_note = (f"{len(views)} of {len(per_view)} test views (evenly spaced); each row: ground truth | render | "
                   f"error heatmap (0 to {ERROR_MAX:g}).")
 
-    # ---- markdown
-    md = [f"# {title}\n", "## Summary\n", _md_table(["stage", "metric", "value"], summary),
-          "## Protocol\n", "".join(f"- {p}\n" for p in protocol),
-          "## Test views\n", _md_table(["file", "PSNR (dB)", "SSIM", "render time (s)"], per_view_rows),
-          views_note + "\n"]
-    md += [f"\n![{n}: ground truth | render | error]({'assets/' + a})\n" for a, n, _ in views]
-    md.append("\n## Training curve\n")
-    md.append(f"\n_{curve_note}_\n" if curve_note else "\n![training curve](assets/training_curve.png)\n")
-    md += ["\n## Environment\n", _md_table(["", "value"], env_rows), "\n## All metrics\n"]
-    md += [f"\n### {name}\n\n" + _md_table(["key", "value"], rows) for name, rows in all_metrics]
-
-    # ---- html
-    def img(asset: str, alt: str) -> str:
-        data = base64.b64encode(assets[asset]).decode("ascii")
-        return f'<img src="data:image/png;base64,{data}" alt="{html.escape(alt)}">'
-
-    h = ['<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">',
-         f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
-         f"<h1>{html.escape(title)}</h1>",
-         f'<p class="sub">code revision {html.escape(fmt(env.get("code_revision")))}'
-         f' · {html.escape(fmt(env.get("platform")))}</p>',
-         "<h2>Summary</h2>", _html_table(["stage", "metric", "value"], summary, "summary"),
-         "<h2>Protocol</h2><ul>", "".join(f"<li>{html.escape(p)}</li>" for p in protocol), "</ul>",
-         "<h2>Test views</h2>",
-         _html_table(["file", "PSNR (dB)", "SSIM", "render time (s)"], per_view_rows, "per-view"),
-         f"<p>{html.escape(views_note)}</p>"]
-    h += [f"<figure>{img(a, n)}<figcaption>{html.escape(n)}: {html.escape(c)}</figcaption></figure>"
-          for a, n, c in views]
-    h.append("<h2>Training curve</h2>")
-    h.append(f"<p><em>{html.escape(curve_note)}</em></p>" if curve_note
-             else f"<figure>{img('training_curve.png', 'training curve')}</figure>")
-    h += ["<h2>Environment</h2>", _html_table(["", "value"], env_rows, "environment"), "<h2>All metrics</h2>"]
-    h += [f"<details><summary>{html.escape(name)}</summary>{_html_table(['key', 'value'], rows, 'all')}</details>"
-          for name, rows in all_metrics]
-    h.append("</body></html>\n")
+    # ---- the document
+    doc = Doc(assets)
+    doc.md.append(f"# {title}\n")
+    doc.html += ['<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">',
+                 f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
+                 f"<h1>{html.escape(title)}</h1>",
+                 f'<p class="sub">code revision {html.escape(fmt(env.get("code_revision")))}'
+                 f' · {html.escape(fmt(env.get("platform")))}</p>']
+    doc.h2("Summary")
+    doc.table(["stage", "metric", "value"], summary, "summary")
+    published = _published_section(doc, ref, scene, ev, method, references)
+    doc.h2("Protocol")
+    doc.bullets(protocol)
+    doc.h2("Test views")
+    doc.table(["file", "PSNR (dB)", "SSIM", "render time (s)"], per_view_rows, "per-view")
+    doc.para(views_note)
+    for a, n, c in views:
+        doc.figure(a, f"{n}: ground truth | render | error", f"{n}: {c}")
+    doc.h2("Orbit")
+    if orbit:
+        doc.para(f"{orbit.get('frames')} frames at {orbit.get('width')}x{orbit.get('height')}, "
+                 + ("a full turn about the scene's up axis" if orbit.get("path") == "circle" else
+                    "swinging across the arc the cameras cover")
+                 + f", at the cameras' mean height and distance, looking at the scene box's centre; rendered in "
+                 f"{fmt(orbit.get('render_s'), 1)} s on {ev.get('eval_device', 'n/a')}.")
+        doc.figure(Path(str(orbit["file"])).name, "orbit animation", "orbit of the trained model", link=True)
+    else:
+        doc.para("no orbit animation in evaluate.json (evaluate.orbit_frames: 0, or an evaluate run from before "
+                 "orbits)", em=True)
+    doc.h2("Training curve")
+    if curve_note:
+        doc.para(curve_note, em=True)
+    else:
+        doc.figure("training_curve.png", "training curve")
+    if scaling_doc is not None:
+        _scaling_section(doc, scaling_doc, scene, method)
+    doc.h2("Environment")
+    doc.table(["", "value"], env_rows, "environment")
+    doc.h2("Reproduce")
+    text, notes = reproduce_block(ev, env, photos)
+    doc.bullets(notes)
+    doc.code(text)
+    doc.h2("All metrics")
+    for name, rows in all_metrics:
+        doc.details(name, ["key", "value"], rows, "all")
+    doc.html.append("</body></html>\n")
 
     with atomic_dir(out_dir) as tmp:
         for name, data in assets.items():
             atomic_write_bytes(tmp / "assets" / name, data)
-        atomic_write_text(tmp / "report.md", re.sub(r"\n{3,}", "\n\n", "\n".join(md)))
-        atomic_write_text(tmp / "report.html", "\n".join(h))
+        atomic_write_text(tmp / "report.md", re.sub(r"\n{3,}", "\n\n", "\n".join(doc.md)))
+        atomic_write_text(tmp / "report.html", "\n".join(doc.html))
     out = out_dir.resolve()
     return {"html": out / "report.html", "md": out / "report.md",
-            "assets": sorted(out / "assets" / a for a in assets), "views": len(views)}
+            "assets": sorted(out / "assets" / a for a in assets), "views": len(views), "published": published}
+
+
+def _published_section(doc: Doc, ref: dict | None, scene: str, ev: dict, method: str, references: Path) -> int:
+    """The published reference numbers, apart from ours; returns the number of published rows shown."""
+    doc.h2("Published reference numbers")
+    if ref is None:
+        doc.para(f"No published numbers are recorded for scene '{scene}' (add them to "
+                 f"{Path(references).name}).", em=True)
+        return 0
+    results = ref.get("results") or []
+    if not results:
+        doc.para(f"{ref.get('dataset', scene)}: no published numbers. {ref.get('note', '')}".strip(), em=True)
+        return 0
+    proto = ref.get("protocol") or {}
+    res = f"{proto['width']}x{proto['height']}" if proto.get("width") else "n/a"
+    doc.para(f"PUBLISHED figures for {ref.get('dataset', scene)}, copied from the papers named below; they were "
+             "not measured by this run, on other hardware and, where flagged, under another protocol.")
+    doc.h3("This run")
+    doc.table(["", "PSNR (dB)", "SSIM", "LPIPS", "resolution", "test views", "GPU", "training"],
+              [["this run (rayforge " + method + ")", fmt(ev.get("psnr"), 2), fmt(ev.get("ssim"), 3),
+                fmt(ev.get("lpips"), 3), f"{ev.get('width')}x{ev.get('height')}", fmt(ev.get("num_test_views")),
+                f"{ev['gpu_name']} x{ev.get('gpu_count')}" if ev.get("gpu_name") else fmt(ev.get("device")),
+                _train_time(ev.get("train_time_s"))]], "ours")
+    doc.h3("Published (not this run)")
+    rows = [[str(r.get("method", "?")), fmt(r.get("psnr"), 2), fmt(r.get("ssim"), 3), fmt(r.get("lpips"), 3), res,
+             fmt(proto.get("test_views")), str(r.get("gpu") or "n/a"), str(r.get("train_time") or "n/a"),
+             str(r.get("source") or "n/a") + (f"; {r['note']}" if r.get("note") else "")] for r in results]
+    doc.table(["published method", "PSNR (dB)", "SSIM", "LPIPS", "resolution", "test views", "GPU", "training",
+               "source"], rows, "published")
+    doc.para("Protocol differences to keep in mind:")
+    doc.bullets(protocol_differences(ref, ev, method))
+    return len(rows)
+
+
+def _scaling_section(doc: Doc, sc: dict, scene: str, method: str) -> None:
+    doc.h2("Scaling")
+    what = ", ".join(x for x in (sc.get("scene"), sc.get("method")) if x) or "runs"
+    doc.para(f"{what}: one workload at several GPU counts. Speedup: throughput "
+             f"({'samples/s' if sc['rows'][0]['speedup_basis'] == 'samples_per_s' else '1 / wall time'}) against "
+             f"the run with the fewest GPUs ({sc['rows'][0]['gpus']}), counted from one GPU with that run taken as "
+             "perfectly efficient; efficiency = speedup / GPUs; ΔPSNR against that run.")
+    if sc.get("scene") and str(sc["scene"]).lower() != scene.lower():
+        doc.para(f"Note: the scaling runs are of scene '{sc['scene']}', this report of '{scene}'.", em=True)
+    rows = [[fmt(r["gpus"]), "n/a" if r.get("wall_s") is None else fmt(float(r["wall_s"]), 1),
+             "n/a" if r.get("samples_per_s") is None else f"{r['samples_per_s']:,.0f}", f"{r['speedup']:.2f}x",
+             f"{100 * r['efficiency']:.0f}%", fmt(r.get("psnr"), 2),
+             "n/a" if r["delta_psnr"] is None else f"{r['delta_psnr']:+.2f}"] for r in sc["rows"]]
+    doc.table(["GPUs", "wall time (s)", "samples/s", "speedup", "efficiency", "PSNR (dB)", "ΔPSNR (dB)"], rows,
+              "scaling")
+
+
+def reproduce_block(ev: dict, env: dict, photos: str | None) -> tuple[str, list[str]]:
+    """Shell lines that rerun this result, and the facts they rely on."""
+    rev, dirty = env.get("code_revision"), env.get("code_dirty")
+    lines = [f"git checkout {rev}" if rev else "# code revision unknown (not a git checkout)", "dvc repro"]
+    gpus = ev.get("gpu_count") or 0
+    if ev.get("device") == "cuda" and gpus > 1:
+        lines[-1] = f"dvc repro   # params.yaml sets reconstruct.distributed; this run used {gpus} GPUs"
+    lines += ["# prints the params sha256 stated above; a different one means different params:",
+              "python -c \"from stages.evaluate import params_sha256; print(params_sha256('params.yaml'))\""]
+    notes = []
+    if rev:
+        notes.append(f"Code revision {rev}" + (
+            " — the working tree had UNCOMMITTED changes, so this revision alone does not reproduce the run"
+            if dirty else ", clean working tree" if dirty is False else ""))
+    notes.append(f"params.yaml ({env.get('params_sha256_of', 'n/a')}): sha256 {fmt(env.get('params_sha256'))}; "
+                 f"seed {fmt(ev.get('seed'))}. dvc.lock at that revision pins every stage's inputs and outputs.")
+    if photos:
+        notes.append(f"Photos: ingest.photos = {photos}" + (" (outside the repository: put the same files there)"
+                                                              if photos.startswith(("..", "/")) else ""))
+    libs = env.get("libraries") if isinstance(env.get("libraries"), dict) else {}
+    notes.append("Libraries: " + (", ".join(f"{k} {v}" for k, v in libs.items() if v)
+                                  or f"torch {fmt(env.get('torch_version'))}")
+                 + f"; Python {fmt(env.get('python_version'))}")
+    gpu = f"{ev['gpu_name']} x{gpus}" if ev.get("gpu_name") else "no GPU (CPU)"
+    notes.append(f"Trained on {gpu}, world size {fmt(ev.get('world_size'))}; GPU driver "
+                 f"{fmt(env.get('gpu_driver'))}, CUDA {fmt(env.get('cuda_version'))} (evaluating host). "
+                 "Other GPUs or library versions give close but not bit-identical numbers.")
+    return "\n".join(lines), notes
 
 
 def _scene_name(photos: Any) -> str | None:
-    """A readable scene name from ``ingest.photos`` (``data/scene/images`` is the generated default)."""
+    """A readable scene name from ``ingest.photos`` (``data/scene/images`` is the generated default).
+
+    The folder's name, or its parent's when the folder is a generic one (``images``,
+    ``images_8``, ``train``, ``test``, ``val``), e.g. ``../shared/data/fern/images_8`` -> ``fern``.
+    """
     if not isinstance(photos, str) or not photos:
         return None
     p = Path(photos)
     if p.as_posix().rstrip("/") == "data/scene/images":
         return "default scene (generated)"
-    return p.parent.name if p.name.startswith("images") and p.parent.name else p.name
+    generic = p.name.startswith("images") or p.name in ("train", "test", "val")
+    return p.parent.name if generic and p.parent.name else p.name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -597,16 +738,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--poses", type=Path, required=True, help="the poses stage's out folder")
     ap.add_argument("--out", type=Path, required=True, help="this stage's out folder")
     ap.add_argument("--params", type=Path, default=DEFAULT_PARAMS, help="params file (default: params.yaml)")
+    ap.add_argument("--scaling", type=Path, default=None,
+                    help='JSON {"scene", "method", "runs": [{"gpus", "wall_s", "samples_per_s", "psnr"}]}: '
+                         "adds a scaling table")
     args = ap.parse_args(argv)
     setup("report")
     try:
         data = read_yaml(args.params)
         params = from_dict(ReportParams, data.get("report", {}), "report")
         ingest, poses = data.get("ingest") or {}, data.get("poses") or {}
+        photos = ingest.get("photos") if isinstance(ingest, dict) else None
         test_every = poses.get("test_every") if isinstance(poses, dict) else None
         out = run(params, args.evaluate, args.metrics_dir, args.plots, args.poses, args.out,
-                  scene=_scene_name(ingest.get("photos") if isinstance(ingest, dict) else None),
-                  test_every=test_every if isinstance(test_every, int) and test_every > 0 else None)
+                  scene=_scene_name(photos),
+                  test_every=test_every if isinstance(test_every, int) and test_every > 0 else None,
+                  scaling=args.scaling, photos=photos if isinstance(photos, str) else None)
     except ValueError as exc:
         print(f"report: error: {exc}", file=sys.stderr)
         return 1

@@ -79,8 +79,11 @@ class FakeModel:
         assert chunk_rays >= 256 and c2w_cv.shape == (4, 4)
         self.calls += 1
         img = min(self.views, key=lambda v: np.abs(v[0] - c2w_cv).sum())[1]
-        assert img.shape == (intr.height, intr.width, 3)
-        return self.expected(img)
+        out = self.expected(img)
+        if out.shape[:2] != (intr.height, intr.width):  # an orbit frame: the nearest view, resized
+            out = torch.nn.functional.interpolate(out.permute(2, 0, 1)[None], size=(intr.height, intr.width),
+                                                  mode="bilinear", align_corners=False)[0].permute(1, 2, 0)
+        return out
 
 
 @pytest.fixture()
@@ -93,8 +96,11 @@ def setup(tmp_path):
     return tmp_path, poses, model_dir, images, params_yaml
 
 
+ORBIT = {"orbit_frames": 6, "orbit_size": 16}
+
+
 def _run(tmp_path, poses, model_dir, model, params_yaml=None, **kw):
-    return evaluate.run(evaluate.EvaluateParams(chunk_rays=1024), poses, model_dir, tmp_path / "evaluate",
+    return evaluate.run(evaluate.EvaluateParams(chunk_rays=1024, **ORBIT), poses, model_dir, tmp_path / "evaluate",
                         tmp_path / "metrics" / "evaluate.json", model=model, params_path=params_yaml, **kw)
 
 
@@ -106,7 +112,7 @@ def test_evaluate_scores_renders_and_writes_outs(setup):
     out = tmp_path / "evaluate"
     per_view = json.loads((out / "per_view.json").read_text())
     assert [r["file"] for r in per_view] == ["view_000.png", "view_002.png"]
-    assert model.calls == 3  # one warm-up + one per test view
+    assert model.calls == 3 + ORBIT["orbit_frames"]  # one warm-up + one per test view + the orbit
     for row in per_view:
         gt = torch.from_numpy(images[row["file"]]).float() / 255
         pred = model.expected(images[row["file"]])
@@ -131,18 +137,105 @@ def test_evaluate_scores_renders_and_writes_outs(setup):
     assert m["fps"] > 0 and (m["num_test_views"], m["width"], m["height"]) == (2, W, H)
     assert (m["num_params"], m["method"], m["train_time_s"], m["world_size"]) == (1234, "nerf", 1.5, 1)
     env = m["environment"]
-    for key in ("torch_version", "python_version", "platform", "code_revision", "code_dirty", "params_sha256"):
+    for key in ("torch_version", "python_version", "platform", "code_revision", "code_dirty", "params_sha256",
+                "libraries", "cuda_version", "gpu_driver", "eval_gpu_name"):
         assert key in env, key
-    assert env["torch_version"] == torch.__version__
+    assert env["torch_version"] == torch.__version__ and env["libraries"]["torch"]
     assert len(env["params_sha256"]) == 64
+    assert m["model_size_bytes"] == (model_dir / "model.pt").stat().st_size
+
+    # the orbit: an animation of orbit_frames frames, the longest side orbit_size
+    orbit = m["orbit"]
+    assert orbit["frames"] == ORBIT["orbit_frames"] and max(orbit["width"], orbit["height"]) == ORBIT["orbit_size"]
+    anim = Image.open(out / orbit["file"])
+    assert anim.size == (orbit["width"], orbit["height"]) and anim.n_frames > 1
+    total_ms = 0  # the encoder may merge identical neighbouring frames, adding up their durations
+    for k in range(anim.n_frames):
+        anim.seek(k)
+        anim.load()  # the frame's duration is known once it is decoded
+        total_ms += anim.info["duration"]
+    assert total_ms == ORBIT["orbit_frames"] * orbit["frame_ms"]
+
+    # metrics.json in ns-eval's shape
+    ns = json.loads((out / "metrics.json").read_text())
+    assert set(ns) == {"experiment_name", "method_name", "checkpoint", "results"}
+    assert set(ns["results"]) == {"psnr", "psnr_std", "ssim", "ssim_std", "lpips", "lpips_std", "num_rays_per_sec",
+                                  "num_rays_per_sec_std", "fps", "fps_std"}
+    assert ns["results"]["psnr"] == m["psnr"] and ns["method_name"] == "nerf"
+    fps = [1 / r["render_time_s"] for r in per_view]
+    assert ns["results"]["fps"] == pytest.approx(np.mean(fps))
+    assert ns["results"]["num_rays_per_sec"] == pytest.approx(np.mean(fps) * W * H)
+    assert ns["experiment_name"] == "rayforge-" + env["params_sha256"][:12]
 
 
-def test_params_hash_covers_reconstruct_and_evaluate_only(tmp_path):
-    a, b, c = tmp_path / "a.yaml", tmp_path / "b.yaml", tmp_path / "c.yaml"
-    a.write_text("reconstruct: {steps: 10}\nevaluate: {chunk_rays: 1024}\nreport: {max_views: 2}\n")
-    b.write_text("report: {max_views: 5}\nevaluate: {chunk_rays: 1024}\nreconstruct: {steps: 10}\n")
-    c.write_text("reconstruct: {steps: 11}\nevaluate: {chunk_rays: 1024}\n")
-    assert evaluate.params_sha256(a) == evaluate.params_sha256(b) != evaluate.params_sha256(c)
+def test_no_orbit(setup):
+    tmp_path, poses, model_dir, _, _ = setup
+    model = FakeModel(poses)
+    m = evaluate.run(evaluate.EvaluateParams(chunk_rays=1024, orbit_frames=0), poses, model_dir, tmp_path / "ev",
+                     tmp_path / "m.json", model=model, params_path=None)
+    assert m["orbit"] is None and model.calls == 3
+    assert not list((tmp_path / "ev").glob("orbit.*"))
+
+
+def _ring(n: int, radius: float, height: float, center: np.ndarray, arc: float = 2 * np.pi) -> np.ndarray:
+    """Cameras (OpenCV c2w) on a circle about +z around ``center``, looking at it."""
+    return np.stack([evaluate.look_at(center + [radius * np.cos(a), radius * np.sin(a), height], center,
+                                      np.array([0.0, 0.0, 1.0])) for a in np.linspace(0, arc, n, endpoint=False)])
+
+
+def test_look_at_is_opencv():
+    c2w = evaluate.look_at(np.array([0.0, -2.0, 0.0]), np.zeros(3), np.array([0.0, 0.0, 1.0]))
+    np.testing.assert_allclose(c2w[:3, 2], [0, 1, 0], atol=1e-12)  # z forward: towards the target
+    np.testing.assert_allclose(c2w[:3, 1], [0, 0, -1], atol=1e-12)  # y down
+    np.testing.assert_allclose(c2w[:3, 0], [1, 0, 0], atol=1e-12)  # x right
+    np.testing.assert_allclose(c2w[:3, :3] @ c2w[:3, :3].T, np.eye(3), atol=1e-12)
+    # the pixel at the image centre looks at the target through stages.reconstruct.data's rays
+    from stages.reconstruct.data import pixel_rays
+
+    intr = Intrinsics(8, 6, 10.0, 10.0, 4.0, 3.0)
+    o, d = pixel_rays(intr, torch.tensor(c2w, dtype=torch.float32), torch.tensor([3.5]), torch.tensor([2.5]))
+    np.testing.assert_allclose((o + 2.0 * d)[0].numpy(), [0, 0, 0], atol=1e-6)
+
+
+def test_orbit_circles_the_scene_at_the_cameras_height_and_distance():
+    center = np.array([0.1, -0.2, 0.3])
+    cams = _ring(12, radius=1.5, height=0.6, center=center)
+    poses, kind = evaluate.orbit_poses(cams, center, 8)
+    assert kind == "circle" and poses.shape == (8, 4, 4)
+    offs = poses[:, :3, 3] - center
+    np.testing.assert_allclose(offs[:, 2], 0.6, atol=1e-9)  # the cameras' height above the centre
+    np.testing.assert_allclose(np.linalg.norm(offs[:, :2], axis=1), 1.5, atol=1e-9)  # their distance
+    for p in poses:  # every frame looks at the centre, upright (y down = -z world)
+        np.testing.assert_allclose(np.cross(p[:3, 2], center - p[:3, 3]), 0, atol=1e-9)
+        assert p[:3, 1] @ np.array([0, 0, 1.0]) < 0
+    bearings = np.unwrap(np.arctan2(offs[:, 1], offs[:, 0]))
+    assert np.allclose(np.diff(bearings), 2 * np.pi / 8)  # even steps, one way round
+
+
+def test_orbit_swings_across_a_forward_facing_capture():
+    center = np.zeros(3)
+    cams = _ring(6, radius=2.0, height=0.2, center=center, arc=np.radians(40))
+    poses, kind = evaluate.orbit_poses(cams, center, 16)
+    assert kind == "swing"
+    bearing = np.degrees(np.arctan2(poses[:, 1, 3], poses[:, 0, 3]))
+    assert bearing.min() >= -1e-6 and bearing.max() <= 40 * 5 / 6 + 1e-6  # within the cameras' arc
+    assert bearing.max() - bearing.min() > 25
+
+
+def test_scene_center_from_aabb_or_camera_axes():
+    assert np.allclose(evaluate.scene_center({"aabb": [[-1, -1, 0], [1, 3, 2]]}, np.eye(4)[None]), [0, 1, 1])
+    center = np.array([0.5, 0.0, -0.2])
+    assert np.allclose(evaluate.scene_center({}, _ring(5, 2.0, 1.0, center)), center, atol=1e-9)
+
+
+def test_params_hash_covers_seed_reconstruct_and_evaluate_only(tmp_path):
+    a, b, c, d = (tmp_path / f"{n}.yaml" for n in "abcd")
+    a.write_text("seed: 0\nreconstruct: {steps: 10}\nevaluate: {chunk_rays: 1024}\nreport: {max_views: 2}\n")
+    b.write_text("report: {max_views: 5}\nevaluate: {chunk_rays: 1024}\nreconstruct: {steps: 10}\nseed: 0\n")
+    c.write_text("seed: 0\nreconstruct: {steps: 11}\nevaluate: {chunk_rays: 1024}\n")
+    d.write_text("seed: 1\nreconstruct: {steps: 10}\nevaluate: {chunk_rays: 1024}\n")
+    assert evaluate.params_sha256(a) == evaluate.params_sha256(b)
+    assert len({evaluate.params_sha256(x) for x in (a, c, d)}) == 3
     assert evaluate.params_sha256(tmp_path / "absent.yaml") is None
 
 
@@ -152,6 +245,10 @@ def test_params_schema():
         from_dict(evaluate.EvaluateParams, {"chunk_rays": 16}, "evaluate")
     with pytest.raises(ParamsError, match="evaluate.chunk_ray"):
         from_dict(evaluate.EvaluateParams, {"chunk_ray": 1024}, "evaluate")
+    with pytest.raises(ParamsError, match="evaluate.orbit_frames: must be 0 \\(off\\) or 2..720"):
+        from_dict(evaluate.EvaluateParams, {"orbit_frames": 1}, "evaluate")
+    with pytest.raises(ParamsError, match="evaluate.orbit_size"):
+        from_dict(evaluate.EvaluateParams, {"orbit_size": 4}, "evaluate")
 
 
 def test_missing_split(setup):
@@ -196,6 +293,13 @@ def test_missing_model(setup, what):
         match = f"missing model file\\(s\\) {what}"
     with pytest.raises(ValueError, match=match):
         _run(tmp_path, poses, model_dir, None)  # model=None: loads from model_dir, which is checked first
+
+
+def test_unreadable_checkpoint(setup):
+    tmp_path, poses, model_dir, _, _ = setup  # model.pt holds a few bytes of text
+    with pytest.raises(ValueError, match=r"model.pt: not a readable model file"):
+        _run(tmp_path, poses, model_dir, None)
+    assert not (tmp_path / "evaluate").exists()
 
 
 def test_bad_render_shape(setup):

@@ -29,7 +29,7 @@ TINY = {
         "nerf": {"levels": 4, "log2_hashmap_size": 12, "max_resolution": 64, "hidden_dim": 16,
                  "samples_per_ray": 32, "occ_resolution": 16},
     },
-    "evaluate": {"chunk_rays": 4096},
+    "evaluate": {"chunk_rays": 4096, "orbit_frames": 4, "orbit_size": 24},  # a token orbit: CI time matters
     "report": {"max_views": 2},
 }
 
@@ -85,9 +85,15 @@ def test_repro_runs_every_stage_and_writes_outs(repo: Path):
     assert 5.0 < ev["psnr"] < 60.0  # 40 tiny steps: far from converged, but a real number
     for view in split["test"]:
         assert (repo / "data/evaluate/renders" / view).with_suffix(".png").is_file()
+    assert ev["orbit"]["frames"] == 4 and (repo / "data/evaluate" / ev["orbit"]["file"]).is_file()
+    ns = json.loads((repo / "data/evaluate/metrics.json").read_text())  # ns-eval's shape
+    assert ns["results"]["psnr"] == ev["psnr"] and ns["method_name"] == "nerf"
+    assert ev["environment"]["code_revision"] and len(ev["environment"]["params_sha256"]) == 64
     html = (repo / "data/report/report.html").read_text()
     assert "PSNR" in html and "data:image/png;base64," in html
-    assert (repo / "data/report/report.md").is_file()
+    assert f"data:image/{ev['orbit']['file'].rsplit('.', 1)[1]};base64," in html  # the orbit, embedded
+    md = (repo / "data/report/report.md").read_text()
+    assert f"git checkout {ev['environment']['code_revision']}" in md
 
 
 def test_second_repro_does_nothing(repo: Path):

@@ -13,8 +13,9 @@ import pytest
 from PIL import Image
 
 from stages import evaluate, report
+from stages.common import plots
 from stages.common.params import ParamsError, from_dict
-from test_evaluate import FakeModel, make_model_dir, make_poses
+from test_evaluate import H, W, FakeModel, make_model_dir, make_poses
 
 
 def _write_train_csv(path: Path, steps: int = 200, eval_every: int = 50) -> None:
@@ -33,7 +34,8 @@ def pipeline(tmp_path):
     make_poses(poses, n=9)  # test views: view_000, 002, 004, 006, 008
     model_dir = make_model_dir(tmp_path / "reconstruct")
     metrics = tmp_path / "metrics"
-    evaluate.run(evaluate.EvaluateParams(chunk_rays=1024), poses, model_dir, tmp_path / "evaluate",
+    evaluate.run(evaluate.EvaluateParams(chunk_rays=1024, orbit_frames=4, orbit_size=16), poses, model_dir,
+                 tmp_path / "evaluate",
                  metrics / "evaluate.json", model=FakeModel(poses, shift=0.03), params_path=None)
     (metrics / "poses.json").write_text(json.dumps({  # the layout stages/poses.py writes
         "num_images": 9, "num_registered": 9, "registered_fraction": 1.0, "num_points": 1500,
@@ -65,7 +67,9 @@ def test_report_md_and_self_contained_html(pipeline):
     assert "# Reconstruction report: unit, nerf" in md
     assert "| stage | metric | value |" in md and "| file | PSNR (dB) | SSIM | render time (s) |" in md
     pics = re.findall(r"!\[[^\]]*\]\((assets/[^)]+)\)", md)
-    assert len(pics) == 4 and "assets/training_curve.png" in pics  # 3 view rows + the curve
+    assert len(pics) == 5 and "assets/training_curve.png" in pics  # 3 view rows + the orbit + the curve
+    orbit = next(p for p in pics if Path(p).stem == "orbit")
+    assert f"]({orbit})" in md.replace(f"![orbit animation]({orbit})", "")  # linked as well as shown
     for p in pics:
         Image.open(root / "report" / p).verify()
     assert {p.name for p in (root / "report" / "assets").iterdir()} == {Path(p).name for p in pics}
@@ -75,14 +79,22 @@ def test_report_md_and_self_contained_html(pipeline):
     assert not re.search(r"<(script|link|iframe)\b", page, re.I)
     assert re.search(r"""\b(src|href)\s*=\s*["'](?!data:)""", page) is None
     srcs = re.findall(r"<img\b[^>]*\bsrc=\"([^\"]*)\"", page)
-    assert len(srcs) == len(re.findall(r"<img\b", page)) == 4
+    assert len(srcs) == len(re.findall(r"<img\b", page)) == 5
+    formats = []
     for src in srcs:
-        assert src.startswith("data:image/png;base64,")
+        m = re.match(r"data:image/(png|webp|gif);base64,", src)
+        assert m, src[:40]
         im = Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1], validate=True)))
-        assert im.format == "PNG"
+        assert im.format == m.group(1).upper()
         im.load()
+        formats.append(im.format)
+    assert sorted(formats)[:4] == ["PNG"] * 4
+    assert sum(getattr(Image.open(io.BytesIO(base64.b64decode(s_.split(",", 1)[1]))), "n_frames", 1) > 1
+               for s_ in srcs) == 1  # one animation: the orbit
     for cls in ("summary", "per-view", "environment"):
         assert f'<table class="{cls}">' in page
+    assert "No published numbers are recorded for scene 'unit'" in md
+    assert "<h2>Reproduce</h2>" in page and "dvc repro" in md and "params_sha256" in md
     # the numbers a reader looks for
     ev = json.loads((root / "metrics" / "evaluate.json").read_text())
     assert f"{ev['psnr']:.2f} ± {ev['psnr_std']:.2f} dB" in page
@@ -100,25 +112,36 @@ def test_view_row_and_curve_pictures(pipeline):
     root = pipeline
     gt = np.array(Image.open(root / "poses" / "images" / "view_002.png"))
     rd = np.array(Image.open(root / "evaluate" / "renders" / "view_002.png"))
-    row = report.view_row(gt, rd, "view_002.png", "PSNR 20 dB")
+    row = plots.view_row(gt, rd, "view_002.png", "PSNR 20 dB")
     h, w = gt.shape[:2]
     assert row.size[1] > h and row.size[0] > 3 * w
     cols = report.read_train_csv(root / "plots" / "train.csv")
     assert math.isnan(cols["test_psnr"][0]) and cols["test_psnr"][49] == pytest.approx(cols["psnr"][49] - 1.5, abs=1e-3)
-    assert report.training_curve(cols).size == (1120, 340)
+    assert plots.training_curve(cols).size == (1120, 340)
 
 
 def test_colormap_and_error_scale():
-    lut = report.colormap(np.array([0.0, 1.0, -1.0, 2.0]))
+    lut = plots.colormap(np.array([0.0, 1.0, -1.0, 2.0]))
     assert lut.dtype == np.uint8 and lut.shape == (4, 3)
     np.testing.assert_array_equal(lut[0], [0, 0, 4])  # black at 0
     np.testing.assert_array_equal(lut[1], [252, 255, 164])  # pale yellow at the top
     np.testing.assert_array_equal(lut[2], lut[0])  # clipped
     np.testing.assert_array_equal(lut[3], lut[1])
     gt = np.zeros((2, 2, 3), np.uint8)
-    rd = np.full((2, 2, 3), round(255 * report.ERROR_MAX), np.uint8)  # error at the top of the scale
-    np.testing.assert_array_equal(report.error_image(rd, gt)[0, 0], [252, 255, 164])
-    assert report.nice_ticks(0, 0.25, 5)[0] == [0.0, 0.05, 0.1, 0.15, 0.2, 0.25]
+    rd = np.full((2, 2, 3), round(255 * plots.ERROR_MAX), np.uint8)  # error at the top of the scale
+    np.testing.assert_array_equal(plots.error_image(rd, gt)[0, 0], [252, 255, 164])
+    assert plots.nice_ticks(0, 0.25, 5)[0] == [0.0, 0.05, 0.1, 0.15, 0.2, 0.25]
+
+
+def test_encode_animation():
+    frames = [np.full((6, 8, 3), 40 * k, np.uint8) for k in range(3)]
+    data, ext = plots.encode_animation(frames, 50)
+    im = Image.open(io.BytesIO(data))
+    assert ext in ("webp", "gif") and im.format == ext.upper() and im.n_frames == 3 and im.size == (8, 6)
+    with pytest.raises(ValueError, match="at least one frame"):
+        plots.encode_animation([])
+    with pytest.raises(ValueError, match="share one"):
+        plots.encode_animation([frames[0], np.zeros((5, 8, 3), np.uint8)])
 
 
 def test_main_prints_report_path_last(pipeline, capsys):
@@ -131,7 +154,8 @@ def test_main_prints_report_path_last(pipeline, capsys):
     assert last == f"Report: {(root / 'report' / 'report.html').resolve()}"
     page = (root / "report" / "report.html").read_text()
     assert "Reconstruction report: fern, nerf" in page
-    assert len(re.findall(r"<img\b", page)) == 2  # one view + the curve
+    assert len(re.findall(r"<img\b", page)) == 3  # one view + the orbit + the curve
+    assert "25.17" in page and "PUBLISHED" in page  # fern's published numbers
 
 
 def test_missing_optional_inputs_and_errors(pipeline, capsys):
@@ -149,3 +173,160 @@ def test_missing_optional_inputs_and_errors(pipeline, capsys):
     assert "evaluate.json: missing" in capsys.readouterr().err
     with pytest.raises(ParamsError, match="report.max_views: must be >= 1"):
         from_dict(report.ReportParams, {"max_views": 0}, "report")
+
+
+# ---------------------------------------------------------------- published numbers, scaling, reproduce
+
+
+def test_published_numbers_for_lego_flag_protocol_differences(pipeline):
+    root = pipeline
+    out = report.run(report.ReportParams(max_views=1), root / "evaluate", root / "metrics",
+                     root / "plots" / "train.csv", root / "poses", root / "report", scene="lego")
+    assert out["published"] == 3
+    page, md = out["html"].read_text(), out["md"].read_text()
+    assert '<table class="published">' in page and '<table class="ours">' in page
+    assert "PUBLISHED figures" in md and "Published (not this run)" in md
+    for text in ("32.54", "36.39", "35.78", "NVIDIA V100", "RTX 3090", "A6000", "Mildenhall", "Müller", "Kerbl"):
+        assert text in md, text
+    # our test views are 32x24: the papers' 800x800 is flagged, as is the number of test views
+    assert f"resolution: ours {W}x{H}, published 800x800" in md
+    assert "test views: ours 5, published 200" in md
+
+
+def test_published_numbers_lookup_and_fox_has_none(pipeline):
+    refs = report.load_references()
+    assert refs["lego"]["name"] == "lego" and refs["blender/lego"]["name"] == "lego"
+    assert refs["fern"]["results"][0]["psnr"] == 25.17 and refs["fox"]["results"] == []
+    for entry in refs.values():
+        for r in entry["results"]:
+            assert r["source"] and r["gpu"] and r["method"]
+    root = pipeline
+    out = report.run(report.ReportParams(max_views=1, scene="fox"), root / "evaluate", root / "metrics",
+                     root / "plots" / "train.csv", root / "poses", root / "report", scene="ignored")
+    page = out["html"].read_text()
+    assert out["published"] == 0 and "no published numbers" in page and "Reconstruction report: fox" in page
+
+
+def test_scene_names():
+    assert report._scene_name("../shared/data/fern/images_8") == "fern"
+    assert report._scene_name("../shared/data/lego/train") == "lego"
+    assert report._scene_name("../shared/data/fox/images") == "fox"
+    assert report._scene_name("/photos/my_garden") == "my_garden"
+    assert report._scene_name("data/scene/images") == "default scene (generated)"
+
+
+def test_scaling_rows_speedup_and_efficiency():
+    runs = [{"gpus": 4, "wall_s": 40.0, "samples_per_s": 3.6e6, "psnr": 26.9, "host": "a"},
+            {"gpus": 1, "wall_s": 100.0, "samples_per_s": 1.0e6, "psnr": 27.0},
+            {"gpus": 2, "wall_s": 60.0, "samples_per_s": 1.9e6, "psnr": None}]
+    rows = report.scaling_rows(runs)
+    assert [r["gpus"] for r in rows] == [1, 2, 4]
+    assert [r["speedup"] for r in rows] == pytest.approx([1.0, 1.9, 3.6])
+    assert [r["efficiency"] for r in rows] == pytest.approx([1.0, 0.95, 0.9])
+    assert rows[0]["delta_psnr"] == 0.0 and rows[1]["delta_psnr"] is None
+    assert rows[2]["delta_psnr"] == pytest.approx(-0.1) and rows[2]["host"] == "a"
+    assert {r["speedup_basis"] for r in rows} == {"samples_per_s"}
+    assert runs[0].get("speedup") is None  # inputs untouched
+
+    # smallest count 2: counted from one GPU with the 2-GPU run taken as perfectly efficient
+    rows = report.scaling_rows([{"gpus": 2, "wall_s": 50.0, "samples_per_s": 2e6},
+                                {"gpus": 8, "wall_s": 20.0, "samples_per_s": 6e6}])
+    assert [r["speedup"] for r in rows] == pytest.approx([2.0, 6.0])
+    assert [r["efficiency"] for r in rows] == pytest.approx([1.0, 0.75])
+
+    # samples/s everywhere: no wall time needed
+    rows = report.scaling_rows([{"gpus": 1, "wall_s": None, "samples_per_s": 1.0}, {"gpus": 2, "samples_per_s": 1.5}])
+    assert rows[1]["speedup"] == pytest.approx(1.5)
+    # without samples/s everywhere: 1 / wall time
+    rows = report.scaling_rows([{"gpus": 1, "wall_s": 100.0}, {"gpus": 2, "wall_s": 50.0, "samples_per_s": 1.0}])
+    assert rows[1]["speedup"] == pytest.approx(2.0) and rows[1]["speedup_basis"] == "wall_s"
+
+
+@pytest.mark.parametrize("runs, match", [
+    ([], "non-empty list"),
+    ([{"gpus": 0, "wall_s": 1.0}], "scaling run 0: 'gpus' must be an integer >= 1, got 0"),
+    ([{"gpus": 1, "wall_s": 1.0}, {"gpus": True, "wall_s": 1.0}], "scaling run 1: 'gpus'"),
+    ([{"gpus": 1}], "scaling run 0: 'wall_s' is missing"),
+    ([{"gpus": 1, "samples_per_s": 1.0}, {"gpus": 2, "wall_s": 1.0}], "scaling run 0: 'wall_s' is missing"),
+    ([{"gpus": 1, "wall_s": -2}], "'wall_s' must be > 0"),
+    ([{"gpus": 1, "wall_s": 1.0, "samples_per_s": "fast"}], "'samples_per_s' must be a finite number"),
+    ([{"gpus": 1, "wall_s": 1.0, "psnr": float("nan")}], "'psnr' must be a finite number"),
+])
+def test_scaling_rows_rejects_bad_runs(runs, match):
+    with pytest.raises(ValueError, match=match):
+        report.scaling_rows(runs)
+
+
+def test_scaling_table_from_the_command_line(pipeline, capsys):
+    root = pipeline
+    scaling = root / "scaling.json"
+    scaling.write_text(json.dumps({"scene": "unit", "method": "nerf", "runs": [
+        {"gpus": 1, "wall_s": 300.0, "samples_per_s": 2.0e7, "psnr": 27.3},
+        {"gpus": 2, "wall_s": 310.0, "samples_per_s": 3.8e7, "psnr": 27.1}]}))
+    params = root / "params.yaml"
+    params.write_text("report:\n  max_views: 1\n  scene: unit\n")
+    assert report.main(_args(root) + ["--params", str(params), "--scaling", str(scaling)]) == 0
+    page = (root / "report" / "report.html").read_text()
+    assert '<table class="scaling">' in page
+    assert "<td>2</td><td>310.0</td><td>38,000,000</td><td>1.90x</td><td>95%</td><td>27.10</td><td>-0.20</td>" in page
+    md = (root / "report" / "report.md").read_text()
+    assert "| GPUs | wall time (s) | samples/s | speedup | efficiency | PSNR (dB) | ΔPSNR (dB) |" in md
+    # a bad file: a clear error naming it, exit code 1
+    scaling.write_text(json.dumps({"runs": [{"gpus": 1}]}))
+    assert report.main(_args(root) + ["--params", str(params), "--scaling", str(scaling)]) == 1
+    err = capsys.readouterr().err
+    assert "scaling.json: scaling run 0: 'wall_s' is missing" in err
+    assert report.main(_args(root) + ["--params", str(params), "--scaling", str(root / "absent.json")]) == 1
+    assert "scaling file not found" in capsys.readouterr().err
+
+
+def test_reproduce_block_names_revision_seed_and_hash():
+    ev = {"seed": 3, "device": "cuda", "gpu_name": "NVIDIA H200", "gpu_count": 2, "world_size": 2}
+    env = {"code_revision": "abc123", "code_dirty": True, "params_sha256": "f" * 64,
+           "params_sha256_of": "canonical JSON of params.yaml sections seed+reconstruct+evaluate",
+           "libraries": {"torch": "2.5.0", "numpy": "2.1.0", "kornia": None}, "python_version": "3.11.7",
+           "gpu_driver": "550.54.15", "cuda_version": "12.4"}
+    text, notes = report.reproduce_block(ev, env, "../shared/data/fern/images_8")
+    assert text.splitlines()[0] == "git checkout abc123" and "dvc repro" in text
+    joined = " ".join(notes)
+    for fact in ("UNCOMMITTED", "f" * 64, "seed 3", "outside the repository", "torch 2.5.0", "numpy 2.1.0",
+                 "NVIDIA H200 x2", "550.54.15", "CUDA 12.4"):
+        assert fact in joined, fact
+    assert "kornia" not in joined
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_missing_render_is_named(pipeline):
+    root = pipeline
+    (root / "evaluate" / "renders" / "view_006.png").unlink()  # not among the views shown with max_views=1
+    with pytest.raises(ValueError, match=r"view_006.png: missing render of test view view_006.png"):
+        report.run(report.ReportParams(max_views=1), root / "evaluate", root / "metrics",
+                   root / "plots" / "train.csv", root / "poses", root / "report")
+    assert not (root / "report").exists()
+
+
+def test_render_of_the_wrong_size_is_named(pipeline):
+    root = pipeline
+    Image.new("RGB", (10, 10)).save(root / "evaluate" / "renders" / "view_002.png")
+    with pytest.raises(ValueError, match=r"view_002.png is 10x10 but its ground truth .*view_002.png is 32x24"):
+        report.run(report.ReportParams(max_views=1), root / "evaluate", root / "metrics",
+                   root / "plots" / "train.csv", root / "poses", root / "report")
+
+
+def test_empty_test_split_is_named(pipeline):
+    root = pipeline
+    (root / "evaluate" / "per_view.json").write_text("[]")
+    with pytest.raises(ValueError, match=r"per_view.json: lists no test views"):
+        report.run(report.ReportParams(max_views=1), root / "evaluate", root / "metrics",
+                   root / "plots" / "train.csv", root / "poses", root / "report")
+
+
+def test_missing_orbit_is_named(pipeline):
+    root = pipeline
+    ev = json.loads((root / "metrics" / "evaluate.json").read_text())
+    (root / "evaluate" / ev["orbit"]["file"]).unlink()
+    with pytest.raises(ValueError, match=rf"{ev['orbit']['file']}: missing; evaluate.json names it"):
+        report.run(report.ReportParams(max_views=1), root / "evaluate", root / "metrics",
+                   root / "plots" / "train.csv", root / "poses", root / "report")
