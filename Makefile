@@ -9,7 +9,7 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export DVC_NO_ANALYTICS := 1
 
-.PHONY: repro test setup clean
+.PHONY: repro test setup clean compare
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -22,6 +22,11 @@ repro: $(STAMP)
 
 test: $(STAMP)
 	python -m pytest
+
+# One page comparing the `dvc exp run` experiments of HEAD (or COMPARE_ARGS="--all-commits",
+# "--rev <commit>", "--baseline <exp>"); ends with "Comparison: <path>".
+compare: $(STAMP)
+	python -m stages.compare --out data/compare $(COMPARE_ARGS)
 
 clean:
 	rm -rf data .dvc/cache .dvc/tmp

@@ -79,6 +79,9 @@ def hash_encode_reference(points: torch.Tensor, table: torch.Tensor,
         w3 = torch.where(upper, f, 1 - f)  # [N, 8, 3]: frac or 1 - frac per axis
         weights = w3[..., 0] * w3[..., 1] * w3[..., 2]  # [N, 8], (wx * wy) * wz like the kernel
         rows = grid_index(corners, r, table_size)  # [N, 8]
-        feats = table[level].to(dtype)[rows]  # [N, 8, F]
+        # index_select, not table[rows]: its backward (index_add_) sums repeated rows in a fixed
+        # order, so CPU runs with several threads are bit-identical (advanced indexing's backward,
+        # index_put_ with accumulate, adds them in thread order).
+        feats = table[level].to(dtype).index_select(0, rows.reshape(-1)).reshape(*rows.shape, table.shape[-1])
         outs.append((weights[..., None] * feats).sum(dim=1))
     return torch.cat(outs, dim=1)

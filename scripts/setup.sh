@@ -19,6 +19,23 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libusb-1.0.so.0'; then
   fi
 fi
 
+# Chromium, optional: only the browser tests use it (tests/test_report_browser.py skips without it).
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "setup: installing chromium (headless browser for the report tests)"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium \
+        >/dev/null; } || echo "setup: chromium did not install; the browser tests will be skipped" >&2
+  elif command -v sudo >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+    echo "setup: installing chromium (headless browser for the report tests) with sudo"
+    { sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        chromium >/dev/null; } || echo "setup: chromium did not install; the browser tests will be skipped" >&2
+  else
+    echo "setup: no chromium: the browser tests of the report will be skipped." >&2
+    echo "       To run them, install it (Debian: apt-get install chromium; Ubuntu: a chromium snap or" >&2
+    echo "       Google Chrome) or point CHROMIUM=/path/to/chrome at one." >&2
+  fi
+fi
+
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $($PYTHON --version)"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from stages.reconstruct.config import ReconstructParams
@@ -11,6 +12,7 @@ from stages.reconstruct.train import build_method
 
 
 def _poses(tmp_path, background=None):
+    pytest.importorskip("open3d", reason="the scene generator renders with open3d")
     from stages.scene import SceneParams, poses_from_ground_truth, run as scene_run
 
     scene_run(SceneParams(width=32, height=24, views=4, rings=1, objects=2), tmp_path / "scene", 0)
