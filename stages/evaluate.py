@@ -43,7 +43,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -76,8 +76,14 @@ class EvaluateParams:
     chunk_rays: int = 8192  # rays per forward pass of the renderer (memory vs. speed)
     orbit_frames: int = 36  # frames of the orbit animation; 0 = none
     orbit_size: int = 80  # longest side of an orbit frame, pixels (the test camera's field of view)
+    # LPIPS v0.1 only with weights the user supplies (stages/common/lpips.py); "" = not computed
+    lpips_net: Literal["alex", "vgg"] = "alex"
+    lpips_backbone: str = ""  # torchvision ImageNet state dict of lpips_net (alexnet-owt-*.pth / vgg16-*.pth)
+    lpips_linear: str = ""  # LPIPS v0.1 linear layers for lpips_net (the lpips package's weights/v0.1/<net>.pth)
 
     def __post_init__(self) -> None:
+        check(bool(self.lpips_backbone) == bool(self.lpips_linear), "lpips_backbone",
+              "LPIPS needs both lpips_backbone and lpips_linear (or neither)", self.lpips_backbone)
         check(self.chunk_rays >= 256, "chunk_rays", "must be >= 256", self.chunk_rays)
         check(self.orbit_frames == 0 or 2 <= self.orbit_frames <= 720, "orbit_frames", "must be 0 (off) or 2..720",
               self.orbit_frames)
@@ -391,6 +397,11 @@ def run(
     summary = read_summary(model_dir, need_weights=model is None)
     gts = [load_image(v.path, intr) for v in views]  # all checked before any render
 
+    lpips = None
+    if params.lpips_backbone:  # loaded (and checked) before any render
+        from stages.common.lpips import LPIPS
+
+        lpips = LPIPS(params.lpips_net, params.lpips_backbone, params.lpips_linear)
     if model is None:
         from stages.reconstruct.api import load_trained
 
@@ -410,6 +421,9 @@ def run(
             dt = time.perf_counter() - t0
             gt = torch.from_numpy(gt_u8).float() / 255.0
             row = {"file": view.name, "psnr": M.psnr(pred, gt), "ssim": M.ssim(pred, gt), "render_time_s": dt}
+            if lpips is not None:
+                pair = [t.permute(2, 0, 1)[None].cpu() for t in (pred, gt)]
+                row["lpips"] = float(lpips(*pair)[0])
             per_view.append(row)
             img = (pred * 255.0).round().to(torch.uint8).numpy()
             Image.fromarray(img).save(tmp / "renders" / f"{Path(view.name).stem}.png")
@@ -419,16 +433,18 @@ def run(
             data, ext, orbit = render_orbit(model, intr, poses_dir, params)
             atomic_write_bytes(tmp / orbit["file"], data)
         env = environment(params_path)
-        metrics = summarize(per_view, intr, summary, model, model_dir, env, orbit)
+        metrics = summarize(per_view, intr, summary, model, model_dir, env, orbit,
+                            None if lpips is None else f"v0.1 {params.lpips_net}")
         atomic_write_json(tmp / "metrics.json", ns_eval_results(per_view, intr, metrics, model_dir))
     atomic_write_json(metrics_path, metrics)
     return metrics
 
 
 def summarize(per_view: list[dict], intr: Intrinsics, summary: dict, model: Any, model_dir: Path, env: dict,
-              orbit: dict | None) -> dict[str, Any]:
+              orbit: dict | None, lpips_net: str | None = None) -> dict[str, Any]:
     """The flat metrics of ``<metrics>`` (see the module docstring)."""
     psnrs = [r["psnr"] for r in per_view]
+    lp = [r["lpips"] for r in per_view if "lpips" in r]
     ssims = [r["ssim"] for r in per_view]
     total_s = sum(r["render_time_s"] for r in per_view)
     metrics: dict[str, Any] = {
@@ -436,8 +452,9 @@ def summarize(per_view: list[dict], intr: Intrinsics, summary: dict, model: Any,
         "psnr_std": _std(psnrs),
         "ssim": float(np.mean(ssims)),
         "ssim_std": _std(ssims),
-        "lpips": None,
-        "lpips_note": LPIPS_NOTE,
+        "lpips": float(np.mean(lp)) if lp else None,
+        "lpips_std": _std(lp) if lp else None,
+        "lpips_note": f"LPIPS {lpips_net} (user-supplied weights)" if lp else LPIPS_NOTE,
         "fps": len(per_view) / total_s if total_s > 0 else math.inf,
         "num_test_views": len(per_view),
         "width": intr.width,
@@ -472,7 +489,7 @@ def ns_eval_results(per_view: list[dict], intr: Intrinsics, metrics: dict, model
         "results": {
             "psnr": metrics["psnr"], "psnr_std": metrics["psnr_std"],
             "ssim": metrics["ssim"], "ssim_std": metrics["ssim_std"],
-            "lpips": None, "lpips_std": None,
+            "lpips": metrics.get("lpips"), "lpips_std": metrics.get("lpips_std"),
             "num_rays_per_sec": float(np.mean(rays)), "num_rays_per_sec_std": _std(rays),
             "fps": float(np.mean(fps)), "fps_std": _std(fps),
         },

@@ -324,3 +324,23 @@ def test_main_reports_errors_and_exit_code(setup, capsys):
     rc = evaluate.main(["--poses", str(poses), "--model", str(model_dir), "--out", str(tmp_path / "ev"),
                         "--metrics", str(tmp_path / "m.json"), "--params", str(params_yaml)])
     assert rc == 1 and "evaluate.typo" in capsys.readouterr().err
+
+
+def test_lpips_with_user_weights(setup):
+    from test_lpips import _weights
+
+    tmp_path, poses, model_dir, _, _ = setup
+    backbone, linear = _weights(tmp_path, "vgg")  # VGG: the test views are too small for AlexNet
+    params = evaluate.EvaluateParams(chunk_rays=1024, orbit_frames=0, lpips_net="vgg", lpips_backbone=str(backbone),
+                                     lpips_linear=str(linear))
+    m = evaluate.run(params, poses, model_dir, tmp_path / "ev", tmp_path / "m.json", model=FakeModel(poses, shift=0.1),
+                     params_path=None)
+    per_view = json.loads((tmp_path / "ev" / "per_view.json").read_text())
+    assert all(r["lpips"] > 0 for r in per_view)
+    assert m["lpips"] == pytest.approx(sum(r["lpips"] for r in per_view) / len(per_view))
+    assert "vgg" in m["lpips_note"]
+    assert json.loads((tmp_path / "ev" / "metrics.json").read_text())["results"]["lpips"] == m["lpips"]
+    # Without weights: not computed, and said so.
+    m = evaluate.run(evaluate.EvaluateParams(chunk_rays=1024, orbit_frames=0), poses, model_dir, tmp_path / "ev2",
+                     tmp_path / "m2.json", model=FakeModel(poses), params_path=None)
+    assert m["lpips"] is None and "not computed" in m["lpips_note"]
