@@ -10,8 +10,8 @@ evaluate, report. Then stage by stage it compares what the two runs wrote:
   camera centres and rotations (in the normalized frame of transforms.json);
 * reconstruct: every tensor of model.pt (how many values differ, the largest difference);
 * evaluate: PSNR, SSIM, the renders byte for byte; the verdict against ``--tolerance-db``
-  (0.1 dB, the target on any machine; on a CPU with one thread the runs are bit-identical,
-  see tests/test_reproducibility.py for what differs with several threads).
+  (0.1 dB, the target on any machine; on a CPU the runs are bit-identical, see
+  tests/test_reproducibility.py).
 
     python benchmarks/bench_repro.py                                  # params.yaml as it is
     python benchmarks/bench_repro.py -S reconstruct.steps=5000 -S reconstruct.batch_rays=8192   # GPU profile
