@@ -19,7 +19,6 @@ stages; not DVC, pycolmap or open3d.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import shutil

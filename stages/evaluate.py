@@ -51,7 +51,7 @@ from PIL import Image
 
 from stages.common import metrics as M
 from stages.common.cameras import Intrinsics, read_transforms
-from stages.common.io import atomic_dir, atomic_write_bytes, atomic_write_json, remove
+from stages.common.io import atomic_dir, atomic_write_bytes, atomic_write_json, read_json, remove
 from stages.common.plots import encode_animation
 from stages.common.params import DEFAULT_PARAMS, check, load_section, read_yaml
 
@@ -109,10 +109,7 @@ def load_test_views(poses_dir: str | Path) -> tuple[Intrinsics, list[EvalView]]:
     for p in (tf_path, split_path):
         if not p.is_file():
             raise ValueError(f"{p}: missing; the poses stage writes it (run `dvc repro poses`)")
-    try:
-        split = json.loads(split_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{split_path}: not valid JSON: {exc}") from None
+    split = read_json(split_path)
     test = split.get("test") if isinstance(split, dict) else None
     if not isinstance(test, list) or not all(isinstance(n, str) for n in test):
         raise ValueError(f"{split_path}: expected a list of file names under \"test\", got {test!r}")
@@ -153,10 +150,7 @@ def read_summary(model_dir: str | Path, need_weights: bool = True) -> dict:
     if missing:
         raise ValueError(f"{model_dir}: missing model file(s) {', '.join(missing)}; "
                          "the reconstruct stage writes them (run `dvc repro reconstruct`)")
-    try:
-        summary = json.loads((model_dir / "summary.json").read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{model_dir / 'summary.json'}: not valid JSON: {exc}") from None
+    summary = read_json(model_dir / "summary.json")
     if not isinstance(summary, dict):
         raise ValueError(f"{model_dir / 'summary.json'}: expected an object, got {type(summary).__name__}")
     return summary

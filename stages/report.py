@@ -26,7 +26,6 @@ import argparse
 import base64
 import csv
 import html
-import json
 import logging
 import math
 import re
@@ -39,7 +38,7 @@ import numpy as np
 import yaml
 from PIL import Image
 
-from stages.common.io import atomic_dir, atomic_write_bytes, atomic_write_text
+from stages.common.io import atomic_dir, atomic_write_bytes, atomic_write_text, read_json
 from stages.common.params import DEFAULT_PARAMS, check, from_dict, read_yaml
 from stages.common.plots import ERROR_MAX, MIME, png_bytes, training_curve, view_row
 
@@ -148,10 +147,7 @@ def read_scaling(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"scaling file not found: {path}")
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON: {exc}") from None
+    doc = read_json(path)
     if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
         raise ValueError(f"{path}: expected {{\"scene\", \"method\", \"runs\": [...]}}")
     try:
@@ -228,10 +224,7 @@ def _read_json(path: Path, required: bool) -> Any:
             raise ValueError(f"{path}: missing; run the evaluate stage first (`dvc repro evaluate`)")
         log.warning("%s: missing; its section of the report is left out", path)
         return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON: {exc}") from None
+    return read_json(path)
 
 
 def fmt(v: Any, digits: int = 3) -> str:

@@ -1,9 +1,15 @@
-"""A throwaway git + DVC project for flow tests: a stage script, dvc.yaml and params.yaml."""
+"""Throwaway git + DVC projects for tests: a toy one for the flow tests, and copies of this
+project's own pipeline (stages, kernels, dvc.yaml, params) for the end-to-end tests."""
 from __future__ import annotations
 
+import copy
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_dvc_project(root: Path, stage_py: str, dvc_yaml: str, params_yaml: str) -> Path:
@@ -15,3 +21,50 @@ def make_dvc_project(root: Path, stage_py: str, dvc_yaml: str, params_yaml: str)
     for cmd in (["git", "init", "-q"], dvc + ["init", "-q"], dvc + ["config", "core.analytics", "false"]):
         subprocess.run(cmd, cwd=root, check=True, capture_output=True)
     return root
+
+
+def merge(base: dict, over: dict) -> dict:
+    """``base`` with ``over`` laid on top, nested sections merged key by key (inputs untouched)."""
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = merge(base.get(k, {}), v) if isinstance(v, dict) else v
+    return out
+
+
+def run(cmd: list[str], cwd: Path) -> str:
+    """Run ``cmd`` in ``cwd`` with this venv's tools first on PATH; its output, or AssertionError."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["DVC_NO_ANALYTICS"] = "1"
+    env["PYTHONPATH"] = str(cwd)
+    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
+    return p.stdout + p.stderr
+
+
+def ran_stages(output: str) -> list[str]:
+    """The stages a `dvc repro` / `dvc exp run` output says it ran, in order."""
+    return [line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")]
+
+
+def copy_pipeline(repo: Path, params: dict, message: str) -> Path:
+    """This project's pipeline (stages, kernels, dvc.yaml, .gitignore) with ``params`` as params.yaml,
+    in a fresh git + DVC repo at ``repo``, committed with ``message``."""
+    for name in ("stages", "kernels"):
+        shutil.copytree(ROOT / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("dvc.yaml", ".gitignore"):  # the project's own: metrics stay git-tracked for experiments
+        shutil.copy(ROOT / name, repo / name)
+    (repo / "params.yaml").write_text(yaml_dump(params))
+    for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "t@t"], ["git", "config", "user.name", "t"],
+                ["dvc", "init", "-q"], ["dvc", "config", "core.analytics", "false"]):
+        run(cmd, repo)
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", message], repo)
+    return repo
+
+
+def yaml_dump(doc: dict) -> str:
+    import yaml
+
+    return yaml.safe_dump(doc, sort_keys=False)

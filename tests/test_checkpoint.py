@@ -15,11 +15,12 @@ from stages.reconstruct.checkpoint import (
 )
 from stages.reconstruct.config import ReconstructParams
 
-from test_distributed import TINY, _merge, make_poses, write_params
+from _dvc_project import merge
+from test_distributed import TINY, make_poses, write_params
 
 
 def params(over: dict | None = None) -> ReconstructParams:
-    return from_dict(ReconstructParams, _merge(TINY, over or {}), "reconstruct")
+    return from_dict(ReconstructParams, merge(TINY, over or {}), "reconstruct")
 
 
 def blob(step: int, p: ReconstructParams | None = None) -> dict:

@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 
 from stages import compare
-from test_pipeline_e2e import _merge, _run
-
-ROOT = Path(__file__).resolve().parents[1]
+from _dvc_project import ROOT, copy_pipeline, merge, ran_stages, run
 
 SMALL = {  # the e2e test's tiny scene with fewer views and steps: the baseline repro takes ~15 s on 2 cores
     "scene": {"width": 200, "height": 150, "views": 16, "rings": 2, "fov_deg": 55.0, "objects": 5},
@@ -39,41 +36,27 @@ OPTIONAL_OFF = {"evaluate": {"orbit_frames": 0}, "reconstruct": {"tensorboard": 
 EXPERIMENTS = {"fewer-steps": ["reconstruct.steps=10"], "two-workers": ["reconstruct.distributed.cpu_workers=2"]}
 
 
-def _ran(output: str) -> list[str]:
-    return [line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")]
-
-
 @pytest.fixture(scope="module")
 def exp_repo(tmp_path_factory) -> Path:
-    repo = tmp_path_factory.mktemp("compare")
-    for name in ("stages", "kernels"):
-        shutil.copytree(ROOT / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("dvc.yaml", ".gitignore"):  # the project's own: metrics must stay git-tracked for experiments
-        shutil.copy(ROOT / name, repo / name)
-    params = _merge(yaml.safe_load((ROOT / "params.yaml").read_text()), SMALL)
+    params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), SMALL)
     for section, keys in OPTIONAL_OFF.items():
         params[section].update({k: v for k, v in keys.items() if k in params[section]})
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "t@t"], ["git", "config", "user.name", "t"],
-                ["dvc", "init", "-q"], ["dvc", "config", "core.analytics", "false"]):
-        _run(cmd, repo)
-    _run(["git", "add", "-A"], repo)
-    _run(["git", "commit", "-qm", "code"], repo)  # so the baseline's metrics name a code revision
-    _run(["dvc", "repro"], repo)
-    _run(["git", "add", "-A"], repo)
-    _run(["git", "commit", "-qm", "baseline"], repo)
+    repo = copy_pipeline(tmp_path_factory.mktemp("compare"), params, "code")  # the baseline's metrics name a revision
+    run(["dvc", "repro"], repo)
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "baseline"], repo)
     for name, sets in EXPERIMENTS.items():
-        out = _run(["dvc", "exp", "run", "-n", name] + [a for s in sets for a in ("-S", s)], repo)
-        assert _ran(out) == ["reconstruct", "evaluate", "report"], out[-2000:]
-        _run(["git", "reset", "-q", "--hard"], repo)  # back to the baseline's params, lock and metrics
-        _run(["dvc", "checkout", "-q", "--force"], repo)
+        out = run(["dvc", "exp", "run", "-n", name] + [a for s in sets for a in ("-S", s)], repo)
+        assert ran_stages(out) == ["reconstruct", "evaluate", "report"], out[-2000:]
+        run(["git", "reset", "-q", "--hard"], repo)  # back to the baseline's params, lock and metrics
+        run(["dvc", "checkout", "-q", "--force"], repo)
     return repo
 
 
 @pytest.mark.integration
 @pytest.mark.slow
 def test_compare_real_experiments(exp_repo: Path):
-    out = _run(["python", "-m", "stages.compare", "--out", "data/compare"], exp_repo)
+    out = run(["python", "-m", "stages.compare", "--out", "data/compare"], exp_repo)
     assert out.strip().splitlines()[-1] == f"Comparison: {(exp_repo / 'data/compare/compare.html').resolve()}"
     doc = json.loads((exp_repo / "data/compare/compare.json").read_text())
     rows = {r["name"]: r for r in doc["rows"]}
@@ -93,7 +76,7 @@ def test_compare_real_experiments(exp_repo: Path):
     # the deltas are what `dvc metrics diff` says between the baseline commit and the experiment
     headers = [c.header for c in compare.COLUMNS]
     for name in EXPERIMENTS:
-        diff = json.loads(_run(["dvc", "metrics", "diff", "--json", base["name"], runs[name]["rev"]], exp_repo))
+        diff = json.loads(run(["dvc", "metrics", "diff", "--json", base["name"], runs[name]["rev"]], exp_repo))
         d = diff["data/metrics/evaluate.json"]["psnr"]["diff"]
         cell = rows[name]["cells"][headers.index("PSNR (dB)")]
         assert cell["delta"] == f"{d:+.2f} dB"

@@ -11,7 +11,6 @@ Prometheus endpoint.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import math
 import os
@@ -26,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from _dvc_project import merge
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,13 +38,6 @@ TINY = {
              "geo_feat_dim": 3, "samples_per_ray": 16, "occ_resolution": 8, "occ_update_every": 8},
     "distributed": {"checkpoint_every": 10, "replica_check_every": 5, "max_restarts": 0},
 }
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        out[k] = _merge(base.get(k, {}), v) if isinstance(v, dict) else v
-    return out
 
 
 def make_poses(root: Path, width: int = 64, height: int = 48, views: int = 8) -> Path:
@@ -67,7 +60,7 @@ def free_port() -> int:
 
 
 def write_params(path: Path, over: dict | None = None) -> Path:
-    path.write_text(yaml.safe_dump({"seed": 0, "reconstruct": _merge(TINY, over or {})}, sort_keys=False))
+    path.write_text(yaml.safe_dump({"seed": 0, "reconstruct": merge(TINY, over or {})}, sort_keys=False))
     return path
 
 
@@ -245,7 +238,7 @@ def test_sigkilled_worker_is_restarted_and_the_run_resumes(poses, tmp_path):
     assert not ckpt.exists()
 
     # Resuming restores every rank's generators: the result is the uninterrupted run's.
-    ref = write_params(tmp_path / "ref.yaml", _merge(over, {"batch_rays": 256, "nerf": {
+    ref = write_params(tmp_path / "ref.yaml", merge(over, {"batch_rays": 256, "nerf": {
         "lr": 0.01 * math.sqrt(2), "lr_final": 0.0005 * math.sqrt(2)}, "distributed": {
         "cpu_workers": 1, "micro_batches": 2, "checkpoint_every": 0}}))
     run_stage(stage_cmd(poses, tmp_path / "ref", ref), OMP_NUM_THREADS="1")
@@ -351,7 +344,7 @@ def _params(over: dict | None = None):
     from stages.common.params import from_dict
     from stages.reconstruct.config import ReconstructParams
 
-    return from_dict(ReconstructParams, _merge(TINY, over or {}), "reconstruct")
+    return from_dict(ReconstructParams, merge(TINY, over or {}), "reconstruct")
 
 
 def test_more_gpus_than_visible_is_a_clear_error():

@@ -8,16 +8,11 @@ a reconstruct param reruns exactly reconstruct, evaluate and report.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-
-ROOT = Path(__file__).resolve().parents[1]
+from _dvc_project import ROOT, copy_pipeline, merge, ran_stages, run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -34,47 +29,15 @@ TINY = {
 }
 
 
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(base.get(k, {}), v) if isinstance(v, dict) else v
-    return out
-
-
-def _run(cmd: list[str], cwd: Path) -> str:
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["DVC_NO_ANALYTICS"] = "1"
-    env["PYTHONPATH"] = str(cwd)
-    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    if p.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
-    return p.stdout + p.stderr
-
-
-def _ran(output: str) -> list[str]:
-    return [line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")]
-
-
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
-    repo = tmp_path_factory.mktemp("e2e")
-    for name in ("stages", "kernels"):
-        shutil.copytree(ROOT / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
-    params = _merge(yaml.safe_load((ROOT / "params.yaml").read_text()), TINY)
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "t@t"], ["git", "config", "user.name", "t"],
-                ["dvc", "init", "-q"], ["dvc", "config", "core.analytics", "false"]):
-        _run(cmd, repo)
-    _run(["git", "add", "-A"], repo)
-    _run(["git", "commit", "-qm", "tiny"], repo)
-    return repo
+    params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), TINY)
+    return copy_pipeline(tmp_path_factory.mktemp("e2e"), params, "tiny")
 
 
 def test_repro_runs_every_stage_and_writes_outs(repo: Path):
-    out = _run(["dvc", "repro"], repo)
-    assert _ran(out) == ["scene", "ingest", "poses", "reconstruct", "evaluate", "report"]
+    out = run(["dvc", "repro"], repo)
+    assert ran_stages(out) == ["scene", "ingest", "poses", "reconstruct", "evaluate", "report"]
     poses = json.loads((repo / "data/metrics/poses.json").read_text())
     assert poses["num_registered"] == poses["num_images"] == 24
     split = json.loads((repo / "data/poses/split.json").read_text())
@@ -97,13 +60,13 @@ def test_repro_runs_every_stage_and_writes_outs(repo: Path):
 
 
 def test_second_repro_does_nothing(repo: Path):
-    out = _run(["dvc", "repro"], repo)
-    assert _ran(out) == []
+    out = run(["dvc", "repro"], repo)
+    assert ran_stages(out) == []
 
 
 def test_changing_a_reconstruct_param_reruns_only_downstream(repo: Path):
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["reconstruct"]["steps"] = 30
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    out = _run(["dvc", "repro"], repo)
-    assert _ran(out) == ["reconstruct", "evaluate", "report"]
+    out = run(["dvc", "repro"], repo)
+    assert ran_stages(out) == ["reconstruct", "evaluate", "report"]

@@ -31,7 +31,7 @@ import torch
 import yaml
 
 from stages import scene
-from test_pipeline_e2e import _merge
+from _dvc_project import merge
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,7 +62,7 @@ def setup(tmp_path_factory) -> tuple[Path, Path, Path]:
     project = yaml.safe_load((ROOT / "params.yaml").read_text())
     doc = {"seed": PARAMS["seed"]}
     for section in ("reconstruct", "evaluate"):
-        doc[section] = _merge(project[section], PARAMS[section])
+        doc[section] = merge(project[section], PARAMS[section])
         doc[section].update({k: v for k, v in OPTIONAL_OFF[section].items() if k in project[section]})
     params = root / "params.yaml"
     params.write_text(yaml.safe_dump(doc, sort_keys=False))

@@ -15,6 +15,17 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
+def read_json(path: str | Path) -> Any:
+    """Parse a JSON file; an unreadable or malformed file is a ValueError naming it."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read: {exc}") from None
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
