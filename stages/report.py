@@ -154,7 +154,8 @@ def read_scaling(path: str | Path) -> dict:
         rows = scaling_rows(doc["runs"])
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
-    return {"scene": doc.get("scene"), "method": doc.get("method"), "rows": rows}
+    return {"scene": doc.get("scene"), "method": doc.get("method"), "rows": rows, "mode": doc.get("mode"),
+            "batch_rays_per_gpu": doc.get("batch_rays_per_gpu"), "global_batch_rays": doc.get("global_batch_rays")}
 
 
 # ---------------------------------------------------------------- published numbers
@@ -666,6 +667,12 @@ def _scaling_section(doc: Doc, sc: dict, scene: str, method: str) -> None:
              f"({'samples/s' if sc['rows'][0]['speedup_basis'] == 'samples_per_s' else '1 / wall time'}) against "
              f"the run with the fewest GPUs ({sc['rows'][0]['gpus']}), counted from one GPU with that run taken as "
              "perfectly efficient; efficiency = speedup / GPUs; ΔPSNR against that run.")
+    if sc.get("mode") == "strong":
+        doc.para(f"Strong scaling: every run takes the same steps with the same global batch "
+                 f"({sc.get('global_batch_rays')} rays per step, split over the GPUs) and learning rate.")
+    elif sc.get("mode") == "weak" or sc.get("batch_rays_per_gpu"):
+        doc.para(f"Same training rays per run at {sc.get('batch_rays_per_gpu')} rays per GPU per step: N GPUs "
+                 "take 1/N of the steps with an N-times larger global batch.")
     if sc.get("scene") and str(sc["scene"]).lower() != scene.lower():
         doc.para(f"Note: the scaling runs are of scene '{sc['scene']}', this report of '{scene}'.", em=True)
     rows = [[fmt(r["gpus"]), "n/a" if r.get("wall_s") is None else fmt(float(r["wall_s"]), 1),

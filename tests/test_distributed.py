@@ -274,7 +274,9 @@ def _collectives_worker(rank: int, world: int, init_file: str, results: str) -> 
         # Overlap: buckets launched from backward hooks during the last micro-batch's backward
         # give the same sums as one reduce after backward; bf16 on the wire stays close.
         for name, kw in (("plain", {}), ("overlap", {"overlap": True}),
-                         ("bf16", {"overlap": True, "wire_dtype": torch.bfloat16})):
+                         ("bf16", {"overlap": True, "wire_dtype": torch.bfloat16}),
+                         ("views", {"attach": True}), ("views+overlap", {"overlap": True, "attach": True})):
+            attach = kw.pop("attach", False)
             torch.manual_seed(0)  # identical initial weights on both ranks
             net = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
                                       torch.nn.ReLU(), torch.nn.Linear(32, 3))
@@ -283,6 +285,9 @@ def _collectives_worker(rank: int, world: int, init_file: str, results: str) -> 
             red = GradReducer(params, ctx, "dense", bucket_bytes=1200, **kw)
             xg = torch.Generator().manual_seed(7 + rank)
             launched = []
+            if attach:  # gradients as views of the bucket buffers: accumulated and reduced in place
+                red.attach()
+                views = [p.grad.data_ptr() for p in params]
             for m in range(2):
                 x = torch.randn(16, 6, generator=xg)
                 if m == 1:
@@ -290,10 +295,11 @@ def _collectives_worker(rank: int, world: int, init_file: str, results: str) -> 
                 net(x).square().mean().backward()
                 if m == 1:
                     launched.append(len(red._inflight))
-            red.reduce(0.25)
+            stats = red.reduce(0.25, torch.tensor([1.0 + rank, 2.0]))
             red.close()
             out[name] = {"grads": [p.grad.clone() for p in params], "buckets": len(red.buckets),
-                         "launched_in_backward": launched[0]}
+                         "launched_in_backward": launched[0], "extras": stats.tolist(),
+                         "still_views": attach and [p.grad.data_ptr() for p in params] == views}
         same = [("a", torch.arange(10.0)), ("b", torch.ones(3, dtype=torch.bool))]
         check_replicas(ctx, same, step=7)
         differ = [("a", torch.arange(10.0) + (1e-7 if rank == 1 else 0.0)), ("b", torch.ones(3, dtype=torch.bool))]
@@ -333,6 +339,15 @@ def test_gradient_sync_modes_and_replica_check_in_two_gloo_processes(tmp_path):
             assert torch.equal(b, d)  # identical on both ranks
             # bf16 keeps 8 significant bits: each of the two summands and the sum round once
             torch.testing.assert_close(c, a, rtol=2e-2, atol=1e-3 * float(a.abs().max()) + 1e-12)
+        # gradients as bucket views (with and without overlap): the same sums, still views afterwards,
+        # and the statistics summed in the first bucket's tail (or on their own after an overlap)
+        for name in ("views", "views+overlap"):
+            v = res[r][name]
+            assert v["still_views"], name
+            for a, b in zip(plain["grads"], v["grads"]):
+                assert torch.equal(a, b), name
+            assert v["extras"] == [3.0, 4.0] == plain["extras"], name
+        assert res[r]["views+overlap"]["launched_in_backward"] == over["launched_in_backward"]
         msg = res[r]["divergence"]
         assert msg is not None and "step 42" in msg and "rank(s) [1]" in msg and "a" in msg, msg
 
@@ -475,3 +490,15 @@ def test_lr_scale_rule():
     opt.step()
     sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.01)  # base 0.02 x 0.5
+
+
+def test_large_gradients_get_their_own_bucket_and_small_ones_pack_around_them():
+    from stages.reconstruct.distributed import DistContext, GradReducer
+
+    # background (3), a hash table (bigger than the cap), MLP weight and bias: the small three
+    # share one bucket although the table sits between them in parameter order
+    ps = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 1000, 40, 8)]
+    red = GradReducer(ps, DistContext(), "dense", bucket_bytes=400)
+    assert red.buckets == [[1], [0, 2, 3]]
+    red = GradReducer(ps, DistContext(), "dense", bucket_bytes=100)  # the MLP weight alone fills one
+    assert red.buckets == [[1], [2], [0, 3]]

@@ -147,7 +147,10 @@ __global__ void hash_encode_fwd(const float* __restrict__ points,      // [N, 3]
 }
 
 // grad_table is float32 whatever the table's dtype: atomics accumulate in fp32 and the Python side
-// casts to fp16 afterwards (fp16 atomics would round every partial sum to 11 bits).
+// casts to fp16 afterwards (fp16 atomics would round every partial sum to 11 bits). Summing fp16
+// tables' gradients in fp16 instead (half2 atomics, and red.global.add.noftz.v2.f16x2 for merged
+// pairs, as tiny-cuda-nn and torch-ngp do for half gradients) was tried on the H200: 2.45 ms
+// against 2.25 ms at 2^21 points, with a 1.5e-3 relative L2 error, so it is not built.
 // Levels below l0 are left to hash_encode_bwd_private (the grid covers levels l0..L-1 only).
 template <int F, int G>
 __global__ void hash_encode_bwd(const float* __restrict__ points,      // [N, 3]

@@ -308,6 +308,7 @@ def train(
             timer.comm_begin()
             broadcast_tensors_(ctx, [t for _, t in method_buffers(method)])
             timer.comm_end()
+        reducer.attach()  # gradients accumulate straight into the all-reduce buffers
         loss_acc = samples_acc = None
         for m in range(M):
             o, d, rgb = samplers[m].sample(micro_rays)

@@ -27,32 +27,81 @@ def trunc_exp(x: torch.Tensor) -> torch.Tensor:
     return _TruncExp.apply(x)
 
 
-def sh_encode_deg4(d: torch.Tensor) -> torch.Tensor:
-    """Real spherical harmonics up to degree 3 (16 values) of unit directions [N, 3]."""
+def sh_encode_deg4_reference(d: torch.Tensor) -> torch.Tensor:
+    """Real spherical harmonics up to degree 3 (16 values) of unit directions [N, 3], term by term
+    (the reference for :func:`sh_encode_deg4`; ~35 elementwise ops)."""
     x, y, z = d.unbind(-1)
     xx, yy, zz = x * x, y * y, z * z
     xy, yz, xz = x * y, y * z, x * z
     return torch.stack(
         [
-            torch.full_like(x, 0.28209479177387814),
-            -0.48860251190291987 * y,
-            0.48860251190291987 * z,
-            -0.48860251190291987 * x,
-            1.0925484305920792 * xy,
-            -1.0925484305920792 * yz,
-            0.94617469575755997 * zz - 0.31539156525251999,
-            -1.0925484305920792 * xz,
-            0.54627421529603959 * (xx - yy),
-            0.59004358992664352 * y * (-3.0 * xx + yy),
-            2.8906114426405538 * xy * z,
-            0.45704579946446572 * y * (1.0 - 5.0 * zz),
-            0.3731763325901154 * z * (5.0 * zz - 3.0),
-            0.45704579946446572 * x * (1.0 - 5.0 * zz),
-            1.4453057213202769 * z * (xx - yy),
-            0.59004358992664352 * x * (-xx + 3.0 * yy),
+            torch.full_like(x, _SH[0]),
+            -_SH[1] * y,
+            _SH[1] * z,
+            -_SH[1] * x,
+            _SH[2] * xy,
+            -_SH[2] * yz,
+            _SH[3] * zz - _SH[4],
+            -_SH[2] * xz,
+            _SH[5] * (xx - yy),
+            _SH[6] * y * (-3.0 * xx + yy),
+            _SH[7] * xy * z,
+            _SH[8] * y * (1.0 - 5.0 * zz),
+            _SH[9] * z * (5.0 * zz - 3.0),
+            _SH[8] * x * (1.0 - 5.0 * zz),
+            _SH[10] * z * (xx - yy),
+            _SH[6] * x * (-xx + 3.0 * yy),
         ],
         dim=-1,
     )
+
+
+# Normalisation constants of the real SH basis, degrees 0..3 (as in instant-ngp / tiny-cuda-nn).
+_SH = (0.28209479177387814, 0.48860251190291987, 1.0925484305920792, 0.94617469575755997,
+       0.31539156525251999, 0.54627421529603959, 0.59004358992664352, 2.8906114426405538,
+       0.45704579946446572, 0.3731763325901154, 1.4453057213202769)
+
+
+def _sh_matrix() -> torch.Tensor:
+    """[64, 16]: each SH value as a combination of the products m_i m_j m_k of m = (1, x, y, z),
+    flattened as 16 i + 4 j + k (one entry per monomial, at its sorted index triple)."""
+    c = torch.zeros(64, 16, dtype=torch.float64)
+
+    def put(col: int, coef: float, *axes: str) -> None:
+        idx = sorted("1xyz".index(a) for a in axes) + [0] * (3 - len(axes))
+        i, j, k = sorted(idx)
+        c[16 * i + 4 * j + k, col] += coef
+
+    put(0, _SH[0])
+    put(1, -_SH[1], "y"), put(2, _SH[1], "z"), put(3, -_SH[1], "x")
+    put(4, _SH[2], "x", "y"), put(5, -_SH[2], "y", "z"), put(7, -_SH[2], "x", "z")
+    put(6, _SH[3], "z", "z"), put(6, -_SH[4])
+    put(8, _SH[5], "x", "x"), put(8, -_SH[5], "y", "y")
+    put(9, -3.0 * _SH[6], "x", "x", "y"), put(9, _SH[6], "y", "y", "y")
+    put(10, _SH[7], "x", "y", "z")
+    put(11, _SH[8], "y"), put(11, -5.0 * _SH[8], "y", "z", "z")
+    put(12, 5.0 * _SH[9], "z", "z", "z"), put(12, -3.0 * _SH[9], "z")
+    put(13, _SH[8], "x"), put(13, -5.0 * _SH[8], "x", "z", "z")
+    put(14, _SH[10], "x", "x", "z"), put(14, -_SH[10], "y", "y", "z")
+    put(15, -_SH[6], "x", "x", "x"), put(15, 3.0 * _SH[6], "x", "y", "y")
+    return c
+
+
+_SH_MATRIX = _sh_matrix()
+
+
+def sh_encode_deg4(d: torch.Tensor) -> torch.Tensor:
+    """Real spherical harmonics up to degree 3 (16 values) of unit directions [N, 3].
+
+    Every value is a cubic polynomial in (x, y, z), so all 16 come from one matmul of the 64
+    products m_i m_j m_k (m = (1, x, y, z)) with a constant matrix: 5 kernels instead of the ~35
+    elementwise ones of :func:`sh_encode_deg4_reference` (training steps are launch-bound on a GPU).
+    Same values up to float rounding (sums in another order).
+    """
+    m = torch.cat([torch.ones_like(d[:, :1]), d], dim=-1)  # [N, 4]
+    p2 = (m[:, :, None] * m[:, None, :]).reshape(-1, 16)
+    p3 = (p2[:, :, None] * m[:, None, :]).reshape(-1, 64)
+    return p3 @ _SH_MATRIX.to(device=d.device, dtype=d.dtype)
 
 
 class NerfField(nn.Module):
@@ -105,10 +154,15 @@ class NerfField(nn.Module):
         sigma = trunc_exp(h[:, 0] - 1.0) * inside
         return (sigma, h[:, 1:]) if return_feat else sigma
 
-    def forward(self, x: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Density [N] and colour [N, 3] at points [N, 3] seen along unit directions [N, 3]."""
+    def forward(self, x: torch.Tensor, d: torch.Tensor | None = None,
+                d_enc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Density [N] and colour [N, 3] at points [N, 3] seen along unit directions ``d`` [N, 3]
+        (or their encoding ``d_enc`` [N, 16] from :func:`sh_encode_deg4`, e.g. computed once per
+        ray and gathered per sample)."""
+        if d_enc is None:
+            d_enc = sh_encode_deg4(d)
         sigma, feat = self.density(x, return_feat=True)
-        rgb = torch.sigmoid(self.color_mlp(torch.cat([feat, sh_encode_deg4(d)], dim=-1)))
+        rgb = torch.sigmoid(self.color_mlp(torch.cat([feat, d_enc], dim=-1)))
         return sigma, rgb
 
     def background_rgb(self) -> torch.Tensor:

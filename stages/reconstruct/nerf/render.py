@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .field import NerfField
+from .field import NerfField, sh_encode_deg4
 from .occupancy import OccupancyGrid
 
 
@@ -52,16 +52,15 @@ def render_rays(
     valid = t < tmax[:, None]
     pts = o[:, None, :] + t[..., None] * d[:, None, :]
     if grid is not None:
-        flat = pts.reshape(-1, 3)
-        occ = torch.zeros(valid.numel(), dtype=torch.bool, device=dev)
-        vflat = valid.reshape(-1)
-        occ[vflat] = grid.occupied(flat[vflat])
-        valid = occ.view(R, max_samples)
-    idx = valid.nonzero(as_tuple=True)
+        # every sample looked up (a clamped cell index, cheap) rather than the valid ones picked by a
+        # boolean mask first: the mask would cost a second host sync per batch besides nonzero below
+        valid = valid & grid.occupied(pts.reshape(-1, 3)).view(R, max_samples)
+    idx = valid.nonzero(as_tuple=True)  # the one host sync: the surviving sample count
     sigma = torch.zeros((R, max_samples), device=dev, dtype=o.dtype)
     rgb = torch.zeros((R, max_samples, 3), device=dev, dtype=o.dtype)
     if idx[0].numel() > 0:
-        s, c = field(pts[idx], d[idx[0]])
+        # the view encoding once per ray, gathered per sample (rays hold ~10-100 samples each)
+        s, c = field(pts[idx], d_enc=sh_encode_deg4(d)[idx[0]])
         sigma = sigma.index_put(idx, s.to(o.dtype))
         rgb = rgb.index_put(idx, c.to(o.dtype))
     alpha = 1.0 - torch.exp(-sigma * step_size)

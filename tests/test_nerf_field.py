@@ -1,0 +1,74 @@
+"""The NeRF field's view encoding and the renderer's sample culling (CPU)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from stages.reconstruct.config import NerfParams
+from stages.reconstruct.nerf.field import NerfField, sh_encode_deg4, sh_encode_deg4_reference
+from stages.reconstruct.nerf.occupancy import OccupancyGrid
+from stages.reconstruct.nerf.render import render_rays
+
+
+def _sphere(n: int) -> torch.Tensor:
+    """Fibonacci points on the unit sphere: near-uniform, for quadrature over it."""
+    i = torch.arange(n, dtype=torch.float64) + 0.5
+    z = 1 - 2 * i / n
+    phi = math.pi * (1 + 5**0.5) * i
+    r = (1 - z * z).sqrt()
+    return torch.stack([r * phi.cos(), r * phi.sin(), z], dim=-1)
+
+
+def test_sh_matmul_form_matches_the_term_by_term_reference():
+    d = _sphere(4096)
+    torch.testing.assert_close(sh_encode_deg4(d), sh_encode_deg4_reference(d), rtol=0, atol=1e-14)
+    d32 = torch.nn.functional.normalize(torch.randn(10000, 3, generator=torch.Generator().manual_seed(0)), dim=-1)
+    # float32: the same products summed in another order, |values| <= 1.1
+    torch.testing.assert_close(sh_encode_deg4(d32), sh_encode_deg4_reference(d32), rtol=0, atol=1e-6)
+
+
+def test_sh_basis_is_orthonormal_over_the_sphere():
+    d = _sphere(20000)
+    y = sh_encode_deg4(d)
+    gram = (y.T @ y) * (4 * math.pi / len(d))
+    torch.testing.assert_close(gram, torch.eye(16, dtype=torch.float64), rtol=0, atol=2e-3)
+
+
+def _field() -> NerfField:
+    torch.manual_seed(0)
+    cfg = NerfParams(levels=4, log2_hashmap_size=10, base_resolution=4, max_resolution=32, hidden_dim=16)
+    field = NerfField(cfg, torch.tensor([[-1.0, -1, -1], [1, 1, 1]]), use_kernels=False)
+    with torch.no_grad():
+        field.encoding.table.uniform_(-1, 1)  # a field with structure, not the near-zero init
+    return field
+
+
+def test_field_takes_directions_or_their_encoding():
+    field = _field()
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(50, 3, generator=g) * 2 - 1
+    d = torch.nn.functional.normalize(torch.randn(50, 3, generator=g), dim=-1)
+    s1, c1 = field(x, d)
+    s2, c2 = field(x, d_enc=sh_encode_deg4(d))
+    assert torch.equal(s1, s2) and torch.equal(c1, c2)
+
+
+def test_occupancy_culling_drops_exactly_the_samples_in_empty_cells():
+    field = _field()
+    g = torch.Generator().manual_seed(2)
+    o = torch.tensor([[0.0, 0.0, -3.0]]).repeat(64, 1) + torch.randn(64, 3, generator=g) * 0.2
+    d = torch.nn.functional.normalize(torch.tensor([0.0, 0.0, 1.0]) + torch.randn(64, 3, generator=g) * 0.1, dim=-1)
+    grid = OccupancyGrid(field.aabb, resolution=8)
+    with torch.no_grad():
+        full = render_rays(field, None, o, d, step_size=0.05, max_samples=64)
+        same = render_rays(field, grid, o, d, step_size=0.05, max_samples=64)  # every cell occupied
+        assert torch.equal(full["rgb"], same["rgb"]) and int(full["num_samples"]) == int(same["num_samples"]) > 0
+        grid.mask.zero_()
+        empty = render_rays(field, grid, o, d, step_size=0.05, max_samples=64)
+        assert int(empty["num_samples"]) == 0
+        assert torch.equal(empty["rgb"], field.background_rgb().expand(64, 3))
+        # the half-space z > 0 empty: only samples with z < 0 (cells 0..3 of 8 along z) survive
+        grid.mask.view(8, 8, 8)[:, :, :4] = True
+        half = render_rays(field, grid, o, d, step_size=0.05, max_samples=64)
+        assert 0 < int(half["num_samples"]) < int(full["num_samples"])
