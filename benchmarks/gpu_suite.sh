@@ -4,9 +4,9 @@
 # <poses_dir> is a poses-stage out (e.g. data/poses of the default scene). Prints tables and
 # writes metrics JSON/CSV into <out_dir>. Needs torch with CUDA; no DVC, pycolmap or open3d.
 set -uo pipefail
-# SECTIONS picks what runs (default: all): kernels quality scaling overhead sync nccl
+# SECTIONS picks what runs (default: all): kernels render quality scaling overhead sync nccl
 POSES=${1:?poses dir}; OUT=${2:?out dir}; mkdir -p "$OUT"
-SECTIONS=${SECTIONS:-kernels quality scaling overhead sync nccl}
+SECTIONS=${SECTIONS:-kernels render quality scaling overhead sync nccl}
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -33,6 +33,16 @@ PY
 if want kernels; then
 echo "== 1. kernel tests on this GPU"
 timeout 120 python3 -m pytest tests/test_hashgrid.py tests/test_kernels_runtime.py -q -p no:cacheprovider -x 2>&1 | tail -3
+fi
+
+if want render; then
+echo "== 1b. packed renderer: kernels vs references, then vs the dense renderer, then a 1-GPU training run with it"
+timeout 120 python3 -m pytest tests/test_render_kernels.py -q -p no:cacheprovider -x 2>&1 | tail -3
+timeout 120 python3 benchmarks/bench_render.py --json "$OUT/render.json" 2>&1 | tail -6
+for fused in off on; do
+  timeout 150 python3 benchmarks/bench_scaling.py --poses "default=$POSES" --gpus 1 --total-rays 16384000 \
+    --set nerf.fused_render=$fused --json "$OUT/fused_$fused.json" 2>&1 | grep -E "^\|  |Error|Traceback" | tail -2
+done
 fi
 
 if want quality; then

@@ -6,30 +6,36 @@ references run instead.
 
 Pieces: ``csrc/*.cu`` (CUDA C++), :mod:`kernels.loader` (NVRTC compile + disk cache, no device
 needed), :mod:`kernels._driver` (module load and launch on PyTorch's stream), one module per op
-(:mod:`kernels.hashgrid`) and the references (:mod:`kernels._reference`).
+(:mod:`kernels.hashgrid`, :mod:`kernels.render`) and the references (:mod:`kernels._reference`).
 """
 
 from ._driver import CudaDriverError, KernelProgram, available, unavailable_reason
-from ._reference import hash_encode_reference
+from ._reference import composite_reference, hash_encode_reference, march_rays_reference
 from .hashgrid import HashGrid, grid_resolutions, hash_encode
 from .loader import KernelCompileError
+from .render import Samples, composite, march_rays
 
 __all__ = [
     "CudaDriverError",
     "HashGrid",
     "KernelCompileError",
     "KernelProgram",
+    "Samples",
     "available",
+    "composite",
+    "composite_reference",
     "default_programs",
     "grid_resolutions",
     "hash_encode",
     "hash_encode_reference",
+    "march_rays",
+    "march_rays_reference",
     "unavailable_reason",
 ]
 
 
 def default_programs() -> list[KernelProgram]:
     """Every kernel program the ops compile with their default settings (benchmark and CI use it)."""
-    from . import hashgrid
+    from . import hashgrid, render
 
-    return [*hashgrid.default_programs()]
+    return [*hashgrid.default_programs(), *render.default_programs()]

@@ -85,3 +85,75 @@ def hash_encode_reference(points: torch.Tensor, table: torch.Tensor,
         feats = table[level].to(dtype).index_select(0, rows.reshape(-1)).reshape(*rows.shape, table.shape[-1])
         outs.append((weights[..., None] * feats).sum(dim=1))
     return torch.cat(outs, dim=1)
+
+
+# ---------------------------------------------------------------- volume rendering (csrc/render.cu)
+
+
+def ray_box_reference(origins: torch.Tensor, dirs: torch.Tensor, aabb: torch.Tensor,
+                      near: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entry and exit distances [R] of rays with the box ``aabb`` [2, 3]; exit <= entry: a miss.
+    Direction components below 1e-9 in magnitude count as +1e-9; the entry is clamped to >= near."""
+    inv = 1.0 / torch.where(dirs.abs() < 1e-9, torch.full_like(dirs, 1e-9), dirs)
+    t0 = (aabb[0] - origins) * inv
+    t1 = (aabb[1] - origins) * inv
+    tmin = torch.minimum(t0, t1).amax(dim=-1).clamp(min=near)
+    tmax = torch.maximum(t0, t1).amin(dim=-1)
+    return tmin, tmax
+
+
+def occupancy_cell_reference(points: torch.Tensor, aabb: torch.Tensor, resolution: int) -> torch.Tensor:
+    """Flat cell [N] (int64) of points [N, 3] in a ``resolution``^3 grid over ``aabb`` (clamped)."""
+    r = resolution
+    xn = (points - aabb[0]) / (aabb[1] - aabb[0])
+    ijk = (xn * r).long().clamp(0, r - 1)
+    return (ijk[:, 0] * r + ijk[:, 1]) * r + ijk[:, 2]
+
+
+def march_rays_reference(origins: torch.Tensor, dirs: torch.Tensor, jitter: torch.Tensor,
+                         aabb: torch.Tensor, occupancy: torch.Tensor | None, dt: float,
+                         max_samples: int, near: float = 0.0):
+    """Samples of rays [R, 3] at ``t = tmin + (s + jitter) * dt`` for s < max_samples, kept while
+    inside the box and in an occupied cell of ``occupancy`` ([r, r, r] or [r^3] bool; None: all).
+
+    Returns:
+        (ray_index [S] int64, t [S], points [S, 3], offsets [R] int64, counts [R] int32): samples
+        ray by ray, in marching order; ray i's are ``offsets[i] .. offsets[i] + counts[i] - 1``.
+    """
+    R = origins.shape[0]
+    tmin, tmax = ray_box_reference(origins, dirs, aabb, near)
+    steps = torch.arange(max_samples, device=origins.device, dtype=origins.dtype)
+    t = tmin[:, None] + (steps[None, :] + jitter.reshape(R, 1)) * dt  # [R, S]
+    valid = t < tmax[:, None]
+    pts = origins[:, None, :] + t[..., None] * dirs[:, None, :]
+    if occupancy is not None:
+        r = round(occupancy.numel() ** (1 / 3))
+        cells = occupancy_cell_reference(pts.reshape(-1, 3), aabb, r)
+        valid = valid & occupancy.reshape(-1)[cells].view(R, max_samples)
+    ray, step = valid.nonzero(as_tuple=True)
+    counts = torch.bincount(ray, minlength=R).to(torch.int32)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int64) - counts
+    return ray, t[ray, step], pts[ray, step], offsets, counts
+
+
+def composite_reference(sigma: torch.Tensor, rgb: torch.Tensor, t: torch.Tensor, offsets: torch.Tensor,
+                        counts: torch.Tensor, dt: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Front-to-back alpha compositing of packed samples (ray i: ``offsets[i] ..`` ``counts[i]`` of
+    them): alpha = 1 - exp(-sigma dt), w_i = alpha_i prod_{j<i} (1 - alpha_j + 1e-10).
+
+    Returns:
+        color [R, 3] (sum w rgb, no background), opacity [R] (sum w), depth [R] (sum w t);
+        differentiable in ``sigma`` and ``rgb``.
+    """
+    R = counts.shape[0]
+    cnt = counts.long()
+    width = int(cnt.max()) if R else 0
+    ray = torch.repeat_interleave(torch.arange(R, device=sigma.device), cnt)
+    pos = torch.arange(ray.numel(), device=sigma.device) - offsets.long()[ray]
+    dense_sigma = sigma.new_zeros(R, width).index_put((ray, pos), sigma)
+    dense_rgb = rgb.new_zeros(R, width, 3).index_put((ray, pos), rgb)
+    dense_t = t.new_zeros(R, width).index_put((ray, pos), t.detach())
+    alpha = 1.0 - torch.exp(-dense_sigma * dt)
+    trans = torch.cumprod(torch.cat([torch.ones_like(alpha[:, :1]), 1.0 - alpha + 1e-10], dim=1), dim=1)[:, :-1]
+    w = alpha * trans
+    return (w[..., None] * dense_rgb).sum(dim=1), w.sum(dim=1), (w * dense_t).sum(dim=1)

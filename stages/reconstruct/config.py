@@ -27,6 +27,9 @@ class NerfParams:
     weight_decay: float = 1e-6
     near: float = 0.02
     use_kernels: Literal["auto", "on", "off"] | bool = "auto"
+    # Packed-sample renderer (kernels.march_rays / kernels.composite): "on" everywhere (CUDA kernels on
+    # a GPU, their references on the CPU), "auto" where the CUDA kernels run, "off" the dense one.
+    fused_render: Literal["auto", "on", "off"] | bool = "off"
 
     def __post_init__(self) -> None:
         check(1 <= self.levels <= 32, "levels", "must be in 1..32", self.levels)
@@ -44,6 +47,8 @@ class NerfParams:
         check(0 < self.lr_final <= self.lr, "lr_final", "must be in (0, lr]", self.lr_final)
         check(self.weight_decay >= 0, "weight_decay", "must be >= 0", self.weight_decay)
         check(self.near >= 0, "near", "must be >= 0", self.near)
+        if isinstance(self.fused_render, bool):  # YAML 1.1 reads a bare on/off as a bool
+            self.fused_render = "on" if self.fused_render else "off"
         if isinstance(self.use_kernels, bool):
             self.use_kernels = "on" if self.use_kernels else "off"
 

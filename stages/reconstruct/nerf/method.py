@@ -44,6 +44,7 @@ class NerfMethod:
         self.params = params
         self.device = device
         self.use_kernels = resolve_use_kernels(cfg.use_kernels, device)
+        self.fused = cfg.fused_render == "on" or (cfg.fused_render == "auto" and self.use_kernels)
         self.field = NerfField(cfg, aabb, use_kernels=self.use_kernels).to(device)
         if background is not None:  # images composited on a known colour: render onto exactly that
             self.field.fixed_background.copy_(torch.tensor(background, dtype=torch.float32))
@@ -91,7 +92,7 @@ class NerfMethod:
     def loss(self, o, d, rgb, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
         out = render_rays(
             self.field, self.grid, o, d, self.step_size, self.cfg.samples_per_ray,
-            near=self.cfg.near, perturb=True, generator=generator,
+            near=self.cfg.near, perturb=True, generator=generator, fused=self.fused,
         )
         mse = torch.nn.functional.mse_loss(out["rgb"], rgb)
         return mse, {"mse": mse.detach(), "num_samples": out["num_samples"]}
@@ -106,7 +107,7 @@ class NerfMethod:
         outs = []
         for i in range(0, o.shape[0], chunk):
             r = render_rays(self.field, self.grid, o[i : i + chunk], d[i : i + chunk], self.step_size,
-                            self.cfg.samples_per_ray, near=self.cfg.near)
+                            self.cfg.samples_per_ray, near=self.cfg.near, fused=self.fused)
             outs.append(r["rgb"])
         return torch.cat(outs).clamp(0, 1)
 

@@ -12,6 +12,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from kernels._reference import occupancy_cell_reference
+
 
 class OccupancyGrid(nn.Module):
     def __init__(self, aabb: torch.Tensor, resolution: int = 64, threshold: float = 0.01, decay: float = 0.95):
@@ -26,11 +28,9 @@ class OccupancyGrid(nn.Module):
         self.register_buffer("mask", torch.ones(resolution**3, dtype=torch.bool))
 
     def cell_index(self, x: torch.Tensor) -> torch.Tensor:
-        """Flat cell index [N] of world points [N, 3] (clamped into the grid)."""
-        r = self.resolution
-        xn = (x - self.aabb[0]) / (self.aabb[1] - self.aabb[0])
-        ijk = (xn * r).long().clamp(0, r - 1)
-        return (ijk[:, 0] * r + ijk[:, 1]) * r + ijk[:, 2]
+        """Flat cell index [N] of world points [N, 3] (clamped into the grid), as the marching
+        kernel computes it (kernels/_reference.py, occupancy_cell_reference)."""
+        return occupancy_cell_reference(x, self.aabb, self.resolution)
 
     def occupied(self, x: torch.Tensor) -> torch.Tensor:
         return self.mask[self.cell_index(x)]

@@ -1,0 +1,187 @@
+// Volume rendering of a NeRF on packed samples (Python side: kernels/render.py; references with the
+// same arithmetic: kernels/_reference.py, march_rays_reference and composite_reference).
+//
+// The PyTorch renderer spends ~60 small kernel launches per batch on marching and compositing
+// (dense [rays, max_samples] tensors, a boolean occupancy test, nonzero, cumprod, sums, and their
+// backward); here marching is two launches (count, then write at scanned offsets) and compositing
+// one forward and one backward launch, one thread per ray (samples of a ray are contiguous).
+//
+// Rounding: every product and sum that decides *which* samples exist (t, the sample point, its
+// occupancy cell) uses the __f*_rn intrinsics, so no FMA contraction changes a value against
+// PyTorch's separately rounded tensor ops: kernel and reference keep the same samples.
+
+#include "common.cuh"
+
+// Entry and exit distances of the ray with the box lo = aabb[0..2], hi = aabb[3..5], as
+// stages/reconstruct/nerf/render.py ray_aabb: direction components below 1e-9 in magnitude are
+// replaced by +1e-9; entry clamped to >= near. Exit <= entry means a miss.
+__device__ __forceinline__ void ray_box(const float (&o)[3], const float (&d)[3], const float* __restrict__ aabb,
+                                        float near, float& tmin, float& tmax) {
+  float lo = -__int_as_float(0x7f800000), hi = __int_as_float(0x7f800000);  // -inf, +inf (no <cmath> in NVRTC)
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    const float dk = fabsf(d[k]) < 1e-9f ? 1e-9f : d[k];
+    const float inv = __fdiv_rn(1.0f, dk);
+    const float t0 = __fmul_rn(__fsub_rn(__ldg(aabb + k), o[k]), inv);
+    const float t1 = __fmul_rn(__fsub_rn(__ldg(aabb + 3 + k), o[k]), inv);
+    lo = fmaxf(lo, fminf(t0, t1));
+    hi = fminf(hi, fmaxf(t0, t1));
+  }
+  tmin = fmaxf(lo, near);
+  tmax = hi;
+}
+
+// Flat occupancy cell of point p, as OccupancyGrid.cell_index: ((p - lo) / (hi - lo) * r)
+// truncated toward zero, clamped to [0, r - 1] per axis, then (i * r + j) * r + k.
+__device__ __forceinline__ u32 occupancy_cell(const float (&p)[3], const float* __restrict__ aabb, int r) {
+  long long ijk[3];
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    const float lo = __ldg(aabb + k);
+    const float xn = __fdiv_rn(__fsub_rn(p[k], lo), __fsub_rn(__ldg(aabb + 3 + k), lo));
+    const float s = __fmul_rn(xn, (float)r);
+    long long c = (s != s) ? 0 : (long long)fmaxf(fminf(s, 1e18f), -1e18f);  // NaN -> cell 0
+    ijk[k] = c < 0 ? 0 : (c > r - 1 ? r - 1 : c);
+  }
+  return (u32)((ijk[0] * r + ijk[1]) * r + ijk[2]);
+}
+
+// One thread per ray. Sample s (0 <= s < max_samples) sits at t = tmin + (s + jitter) * dt and is
+// kept when t < tmax and its occupancy cell is set (occ == nullptr: every cell). WRITE = false:
+// counts[ray] = kept samples. WRITE = true: the kept samples of the ray go to offsets[ray] ..
+// (ray index, t, point).
+template <bool WRITE>
+__global__ void march_rays(const float* __restrict__ origins,     // [R, 3]
+                           const float* __restrict__ dirs,        // [R, 3]
+                           const float* __restrict__ jitter,      // [R]
+                           const float* __restrict__ aabb,        // [6]: lo xyz, hi xyz
+                           const unsigned char* __restrict__ occ, // [r^3] bool, or nullptr
+                           int r, float dt, int max_samples, float near, u32 R,
+                           int* __restrict__ counts,              // [R] (WRITE = false)
+                           const long long* __restrict__ offsets, // [R] exclusive scan (WRITE = true)
+                           long long* __restrict__ ray_index,     // [S_total]
+                           float* __restrict__ t_out,             // [S_total]
+                           float* __restrict__ points) {          // [S_total, 3]
+  const u32 ray = blockIdx.x * blockDim.x + threadIdx.x;
+  if (ray >= R) return;
+  float o[3], d[3];
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    o[k] = __ldg(origins + 3 * (u64)ray + k);
+    d[k] = __ldg(dirs + 3 * (u64)ray + k);
+  }
+  float tmin, tmax;
+  ray_box(o, d, aabb, near, tmin, tmax);
+  const float j = __ldg(jitter + ray);
+  long long out = WRITE ? __ldg(offsets + ray) : 0;
+  int n = 0;
+  for (int s = 0; s < max_samples; ++s) {
+    const float t = __fadd_rn(tmin, __fmul_rn(__fadd_rn((float)s, j), dt));
+    if (!(t < tmax)) break;  // t grows with s (rounding is monotone): the rest are out too
+    float p[3];
+#pragma unroll
+    for (int k = 0; k < 3; ++k) p[k] = __fadd_rn(o[k], __fmul_rn(t, d[k]));
+    if (occ != nullptr && !__ldg(occ + occupancy_cell(p, aabb, r))) continue;
+    if (WRITE) {
+      ray_index[out] = (long long)ray;
+      t_out[out] = t;
+      points[3 * out] = p[0];
+      points[3 * out + 1] = p[1];
+      points[3 * out + 2] = p[2];
+      ++out;
+    }
+    ++n;
+  }
+  if (!WRITE) counts[ray] = n;
+}
+
+// Per sample: alpha = 1 - exp(-sigma * dt) and the transmittance factor (1 - alpha) + 1e-10, as the
+// PyTorch renderer (its 1e-10 keeps cumprod's gradient finite at alpha = 1).
+__device__ __forceinline__ void sample_alpha(float sigma, float dt, float& alpha, float& ex, float& factor) {
+  ex = expf(__fmul_rn(-sigma, dt));
+  alpha = __fsub_rn(1.0f, ex);
+  factor = __fadd_rn(__fsub_rn(1.0f, alpha), 1e-10f);
+}
+
+// One thread per ray over its samples [offsets[ray], offsets[ray] + counts[ray]):
+// w_i = alpha_i * T_i, T_0 = 1, T_{i+1} = T_i * factor_i; color = sum w_i rgb_i (no background),
+// opacity = sum w_i, depth = sum w_i t_i.
+__global__ void composite_fwd(const float* __restrict__ sigma,      // [S_total]
+                              const float* __restrict__ rgb,        // [S_total, 3]
+                              const float* __restrict__ t,          // [S_total]
+                              const long long* __restrict__ offsets,// [R]
+                              const int* __restrict__ counts,       // [R]
+                              float dt, u32 R,
+                              float* __restrict__ color,            // [R, 3]
+                              float* __restrict__ opacity,          // [R]
+                              float* __restrict__ depth) {          // [R]
+  const u32 ray = blockIdx.x * blockDim.x + threadIdx.x;
+  if (ray >= R) return;
+  const long long start = __ldg(offsets + ray), end = start + __ldg(counts + ray);
+  float T = 1.0f, c0 = 0.0f, c1 = 0.0f, c2 = 0.0f, op = 0.0f, dp = 0.0f;
+  for (long long i = start; i < end; ++i) {
+    float alpha, ex, factor;
+    sample_alpha(__ldg(sigma + i), dt, alpha, ex, factor);
+    const float w = __fmul_rn(alpha, T);
+    c0 += w * __ldg(rgb + 3 * i);
+    c1 += w * __ldg(rgb + 3 * i + 1);
+    c2 += w * __ldg(rgb + 3 * i + 2);
+    op += w;
+    dp += w * __ldg(t + i);
+    T = __fmul_rn(T, factor);
+  }
+  color[3 * (u64)ray] = c0;
+  color[3 * (u64)ray + 1] = c1;
+  color[3 * (u64)ray + 2] = c2;
+  opacity[ray] = op;
+  depth[ray] = dp;
+}
+
+// Backward of composite_fwd. With q_i = g_color . rgb_i + g_opacity + g_depth * t_i and
+// e_i = dt * exp(-sigma_i dt) (= d alpha_i / d sigma_i):
+//   d/d rgb_i   = w_i * g_color
+//   d/d sigma_i = T_i e_i q_i - (e_i / factor_i) * sum_{j > i} w_j q_j
+// (w_j for j > i holds factor_i in T_j). Two passes per ray: the total sum_j w_j q_j, then the
+// suffix sums as total minus the running prefix.
+__global__ void composite_bwd(const float* __restrict__ sigma, const float* __restrict__ rgb,
+                              const float* __restrict__ t, const long long* __restrict__ offsets,
+                              const int* __restrict__ counts, float dt, u32 R,
+                              const float* __restrict__ g_color,    // [R, 3]
+                              const float* __restrict__ g_opacity,  // [R]
+                              const float* __restrict__ g_depth,    // [R]
+                              float* __restrict__ g_sigma,          // [S_total]
+                              float* __restrict__ g_rgb) {          // [S_total, 3]
+  const u32 ray = blockIdx.x * blockDim.x + threadIdx.x;
+  if (ray >= R) return;
+  const long long start = __ldg(offsets + ray), end = start + __ldg(counts + ray);
+  if (start == end) return;
+  const float gc0 = __ldg(g_color + 3 * (u64)ray), gc1 = __ldg(g_color + 3 * (u64)ray + 1),
+              gc2 = __ldg(g_color + 3 * (u64)ray + 2);
+  const float go = __ldg(g_opacity + ray), gd = __ldg(g_depth + ray);
+  // q_i, and w_i with the sample's alpha terms, given T = the transmittance before sample i
+  auto term = [&](long long i, float T, float& ex, float& factor, float& w) {
+    float alpha;
+    sample_alpha(__ldg(sigma + i), dt, alpha, ex, factor);
+    w = __fmul_rn(alpha, T);
+    return gc0 * __ldg(rgb + 3 * i) + gc1 * __ldg(rgb + 3 * i + 1) + gc2 * __ldg(rgb + 3 * i + 2) + go +
+           gd * __ldg(t + i);
+  };
+  float ex, factor, w, T = 1.0f, total = 0.0f;
+  for (long long i = start; i < end; ++i) {
+    const float q = term(i, T, ex, factor, w);
+    total += w * q;
+    T = __fmul_rn(T, factor);
+  }
+  T = 1.0f;
+  float prefix = 0.0f;
+  for (long long i = start; i < end; ++i) {
+    const float q = term(i, T, ex, factor, w);
+    prefix += w * q;
+    const float e = dt * ex;
+    g_sigma[i] = T * e * q - (e / factor) * (total - prefix);
+    g_rgb[3 * i] = w * gc0;
+    g_rgb[3 * i + 1] = w * gc1;
+    g_rgb[3 * i + 2] = w * gc2;
+    T = __fmul_rn(T, factor);
+  }
+}

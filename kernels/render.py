@@ -1,0 +1,193 @@
+"""Ray marching and alpha compositing on packed samples (the NeRF renderer's two hot loops).
+
+CUDA source: ``csrc/render.cu``; references: ``_reference.march_rays_reference`` and
+``_reference.composite_reference`` (what the CPU runs). A batch of rays is marched into a packed
+list of samples, ray by ray (``offsets``/``counts`` say which belong to which ray), the field is
+evaluated on them, and the samples are composited back into one colour per ray, as nerfacc's
+``OccGridEstimator.sampling`` + ``rendering`` do.
+
+Example:
+    >>> import torch, kernels
+    >>> o = torch.tensor([[0.0, 0.0, -2.0]]); d = torch.tensor([[0.0, 0.0, 1.0]])
+    >>> aabb = torch.tensor([[-1.0, -1, -1], [1, 1, 1]])
+    >>> s = kernels.march_rays(o, d, torch.full((1,), 0.5), aabb, None, dt=0.5, max_samples=8)
+    >>> s.t.tolist(), s.counts.tolist()
+    ([1.25, 1.75, 2.25, 2.75], [4])
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ._driver import KernelProgram, f32, i32, ptr, u32
+from ._reference import composite_reference, march_rays_reference
+from .hashgrid import _use_kernels
+
+BLOCK_SIZE = 128
+_NAMES = ["march_rays<false>", "march_rays<true>", "composite_fwd", "composite_bwd"]
+_program: KernelProgram | None = None
+
+
+def program() -> KernelProgram:
+    global _program
+    if _program is None:
+        _program = KernelProgram("render.cu", _NAMES)
+    return _program
+
+
+def default_programs() -> list[KernelProgram]:
+    return [program()]
+
+
+class Samples(NamedTuple):
+    """Packed samples of R rays: ray i owns ``offsets[i] .. offsets[i] + counts[i] - 1``."""
+
+    ray_index: torch.Tensor  # [S] int64
+    t: torch.Tensor  # [S] float32, distance along the ray
+    points: torch.Tensor  # [S, 3] float32
+    offsets: torch.Tensor  # [R] int64
+    counts: torch.Tensor  # [R] int32
+
+
+def _check(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != len(shape) or any(s is not None and a != s for a, s in zip(t.shape, shape)):
+        want = "[" + ", ".join("N" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the rays on {device}")
+
+
+def march_rays(origins: torch.Tensor, dirs: torch.Tensor, jitter: torch.Tensor, aabb: torch.Tensor,
+               occupancy: torch.Tensor | None, dt: float, max_samples: int, near: float = 0.0, *,
+               use_kernels: bool | None = None) -> Samples:
+    """Samples along rays at a fixed step, inside the box and in occupied cells.
+
+    Sample s of a ray (0 <= s < max_samples) sits at ``t = tmin + (s + jitter) * dt`` (tmin: where the
+    ray enters ``aabb``, at least ``near``) and is kept while ``t`` is before the exit and its cell
+    of ``occupancy`` is set (cells as ``OccupancyGrid.cell_index``).
+
+    Args:
+        origins, dirs: [R, 3] float32 (unit directions).
+        jitter: [R] float32 in [0, 1) (0.5 = cell midpoints).
+        aabb: [2, 3] float32 box (min corner, max corner).
+        occupancy: bool grid with r^3 entries (any shape), or None for no culling.
+        dt: march step; max_samples: samples per ray at most; near: minimum t.
+        use_kernels: as :func:`kernels.hash_encode`.
+
+    Returns:
+        :class:`Samples`. Not differentiable (positions along fixed rays).
+    """
+    dev = origins.device
+    _check("origins", origins, (None, 3), torch.float32, dev)
+    R = origins.shape[0]
+    _check("dirs", dirs, (R, 3), torch.float32, dev)
+    _check("jitter", jitter, (R,), torch.float32, dev)
+    _check("aabb", aabb, (2, 3), torch.float32, dev)
+    r = 0
+    if occupancy is not None:
+        if not isinstance(occupancy, torch.Tensor) or occupancy.dtype != torch.bool or occupancy.device != dev:
+            raise ValueError(f"occupancy must be a bool tensor on {dev}")
+        r = round(occupancy.numel() ** (1 / 3))
+        if r**3 != occupancy.numel() or r < 1:
+            raise ValueError(f"occupancy must have r^3 cells, got {occupancy.numel()}")
+    if not (dt > 0) or int(max_samples) < 1:
+        raise ValueError(f"dt must be > 0 and max_samples >= 1, got {dt}, {max_samples}")
+    if not _use_kernels(dev, use_kernels):
+        return Samples(*march_rays_reference(origins, dirs, jitter, aabb, occupancy, dt, max_samples, near))
+    origins, dirs, jitter = origins.contiguous(), dirs.contiguous(), jitter.contiguous()
+    box = aabb.contiguous().reshape(6)
+    occ = occupancy.contiguous() if occupancy is not None else None
+    prog = program()
+    counts = torch.empty(R, dtype=torch.int32, device=dev)
+    grid = (max(1, -(-R // BLOCK_SIZE)),)
+    common = [(origins.data_ptr(), ptr), (dirs.data_ptr(), ptr), (jitter.data_ptr(), ptr),
+              (box.data_ptr(), ptr), (0 if occ is None else occ.data_ptr(), ptr), (r, i32),
+              (float(dt), f32), (int(max_samples), i32), (float(near), f32), (R, u32)]
+    if R:
+        prog.launch("march_rays<false>", grid, (BLOCK_SIZE,),
+                    common + [(counts.data_ptr(), ptr), (0, ptr), (0, ptr), (0, ptr), (0, ptr)], device=dev)
+    ends = torch.cumsum(counts, 0, dtype=torch.int64)
+    offsets = ends - counts
+    total = int(ends[-1]) if R else 0  # the one host sync: how many samples to allocate
+    ray_index = torch.empty(total, dtype=torch.int64, device=dev)
+    t = torch.empty(total, dtype=torch.float32, device=dev)
+    points = torch.empty(total, 3, dtype=torch.float32, device=dev)
+    if total:
+        prog.launch("march_rays<true>", grid, (BLOCK_SIZE,),
+                    common + [(counts.data_ptr(), ptr), (offsets.data_ptr(), ptr), (ray_index.data_ptr(), ptr),
+                              (t.data_ptr(), ptr), (points.data_ptr(), ptr)], device=dev)
+    return Samples(ray_index, t, points, offsets, counts)
+
+
+class _Composite(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, sigma, rgb, t, offsets, counts, dt):
+        R = counts.shape[0]
+        dev = sigma.device
+        color = torch.empty(R, 3, dtype=torch.float32, device=dev)
+        opacity = torch.empty(R, dtype=torch.float32, device=dev)
+        depth = torch.empty(R, dtype=torch.float32, device=dev)
+        if R:
+            program().launch("composite_fwd", (-(-R // BLOCK_SIZE),), (BLOCK_SIZE,),
+                             [(sigma.data_ptr(), ptr), (rgb.data_ptr(), ptr), (t.data_ptr(), ptr),
+                              (offsets.data_ptr(), ptr), (counts.data_ptr(), ptr), (float(dt), f32), (R, u32),
+                              (color.data_ptr(), ptr), (opacity.data_ptr(), ptr), (depth.data_ptr(), ptr)],
+                             device=dev)
+        ctx.save_for_backward(sigma, rgb, t, offsets, counts)
+        ctx.dt = dt
+        return color, opacity, depth
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_color, g_opacity, g_depth):
+        sigma, rgb, t, offsets, counts = ctx.saved_tensors
+        R = counts.shape[0]
+        dev = sigma.device
+        g_color = torch.zeros(R, 3, device=dev) if g_color is None else g_color.float().contiguous()
+        g_opacity = torch.zeros(R, device=dev) if g_opacity is None else g_opacity.float().contiguous()
+        g_depth = torch.zeros(R, device=dev) if g_depth is None else g_depth.float().contiguous()
+        g_sigma = torch.zeros_like(sigma)
+        g_rgb = torch.zeros_like(rgb)
+        if R:
+            program().launch("composite_bwd", (-(-R // BLOCK_SIZE),), (BLOCK_SIZE,),
+                             [(sigma.data_ptr(), ptr), (rgb.data_ptr(), ptr), (t.data_ptr(), ptr),
+                              (offsets.data_ptr(), ptr), (counts.data_ptr(), ptr), (float(ctx.dt), f32), (R, u32),
+                              (g_color.data_ptr(), ptr), (g_opacity.data_ptr(), ptr), (g_depth.data_ptr(), ptr),
+                              (g_sigma.data_ptr(), ptr), (g_rgb.data_ptr(), ptr)], device=dev)
+        return g_sigma, g_rgb, None, None, None, None
+
+
+def composite(sigma: torch.Tensor, rgb: torch.Tensor, t: torch.Tensor, offsets: torch.Tensor,
+              counts: torch.Tensor, dt: float, *, use_kernels: bool | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Front-to-back alpha compositing of packed samples (see :class:`Samples`).
+
+    ``alpha_i = 1 - exp(-sigma_i dt)``, ``w_i = alpha_i prod_{j<i} (1 - alpha_j + 1e-10)``.
+
+    Args:
+        sigma: [S] float32 densities; rgb: [S, 3] float32 colours; t: [S] float32 distances.
+        offsets: [R] int64, counts: [R] int32 (from :func:`march_rays`).
+        dt: the march step.
+
+    Returns:
+        color [R, 3] = sum w rgb (the caller adds ``(1 - opacity) * background``), opacity [R] = sum w,
+        depth [R] = sum w t; differentiable in ``sigma`` and ``rgb``.
+    """
+    dev = sigma.device
+    _check("sigma", sigma, (None,), torch.float32, dev)
+    S = sigma.shape[0]
+    _check("rgb", rgb, (S, 3), torch.float32, dev)
+    _check("t", t, (S,), torch.float32, dev)
+    _check("offsets", offsets, (None,), torch.int64, dev)
+    _check("counts", counts, (offsets.shape[0],), torch.int32, dev)
+    if not _use_kernels(dev, use_kernels):
+        return composite_reference(sigma, rgb, t, offsets, counts, dt)
+    return _Composite.apply(sigma.contiguous(), rgb.contiguous(), t.contiguous(), offsets.contiguous(),
+                            counts.contiguous(), float(dt))
