@@ -339,6 +339,7 @@ def scaling_table(group: list[Run]) -> list[dict]:
     """``stages.report.scaling_rows`` over one group (each row keeps the run's ``name``)."""
     return R.scaling_rows([{"name": r.name, "gpus": r.world_size,
                             "wall_s": r.metric("reconstruct.train_time_s", "evaluate.train_time_s"),
+                            "rays_per_s": r.metric("reconstruct.rays_per_s"),
                             "samples_per_s": r.metric("reconstruct.samples_per_s"),
                             "psnr": r.metric("evaluate.psnr")} for r in group])
 

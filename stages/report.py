@@ -2,7 +2,7 @@
 
     python -m stages.report --evaluate data/evaluate --metrics-dir data/metrics \
         --plots data/plots/train.csv --poses data/poses --out data/report \
-        [--params params.yaml] [--scaling runs.json]
+        [--params params.yaml] [--scaling runs.json [--scaling more.json]]
 
 Writes ``<out>/report.md`` with its pictures in ``<out>/assets/``, and ``<out>/report.html``
 with the same pictures embedded as ``data:`` URIs and inline CSS, so that page opens
@@ -14,7 +14,8 @@ offline and can be mailed or attached as a CI/Prefect artifact on its own. Conte
 * the protocol (split, resolution, metric definitions) and the per-view scores;
 * for up to ``report.max_views`` test views a row ground truth | render | error heatmap;
 * the orbit animation of the evaluate stage, the training curves of ``train.csv``;
-* with ``--scaling``, a scaling table over runs at several GPU counts (:func:`scaling_rows`);
+* with ``--scaling`` (repeatable: e.g. weak and strong scaling), a scaling table over runs at
+  several GPU counts per file (:func:`scaling_rows`);
 * the environment, how to reproduce the run exactly, and every scalar of the metrics files.
 
 The pictures are drawn by ``stages.common.plots``. The last line printed by ``main`` is
@@ -32,6 +33,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -78,21 +80,24 @@ def scaling_rows(runs: list[dict]) -> list[dict]:
     """Speedup and parallel efficiency of one workload run at several GPU counts.
 
     The baseline is the run with the fewest GPUs (the first of them in input order). The
-    throughput compared is ``samples_per_s`` when every run has it, else ``1 / wall_s`` (the
-    same work in every run). The speedup is counted from one GPU, taking the baseline as
+    throughput compared is ``rays_per_s`` (training rays, the work unit of a NeRF run) when every
+    run has it, else ``samples_per_s`` when every run has that, else ``1 / wall_s`` (the same
+    work in every run). Rays come first because network samples per ray depend on the state of
+    the occupancy grid, which differs between runs of different step counts (bench_scaling's
+    default protocol): samples/s would credit a run for marching more points per ray. The speedup is counted from one GPU, taking the baseline as
     perfectly efficient: ``speedup = throughput / (baseline throughput / baseline gpus)``,
     so a baseline of 1 GPU has speedup 1 and one of 2 GPUs has speedup 2;
     ``efficiency = speedup / gpus``.
 
     Args:
-        runs: ``[{"gpus": int >= 1, "wall_s": float > 0 | None, "samples_per_s": float > 0 | None,
-            "psnr": float | None, ...}]``, any order; other keys are kept. ``wall_s`` may be
-            None only where every run has ``samples_per_s``.
+        runs: ``[{"gpus": int >= 1, "wall_s": float > 0 | None, "rays_per_s": float > 0 | None,
+            "samples_per_s": float > 0 | None, "psnr": float | None, ...}]``, any order; other keys
+            are kept. ``wall_s`` may be None only where every run has a throughput.
 
     Returns:
         New dicts sorted by ``gpus`` (ties in input order), each the run plus ``speedup``,
         ``efficiency``, ``delta_psnr`` (PSNR minus the baseline's; None where either is
-        missing) and ``speedup_basis`` (``"samples_per_s"`` or ``"wall_s"``).
+        missing) and ``speedup_basis`` (``"rays_per_s"``, ``"samples_per_s"`` or ``"wall_s"``).
 
     Raises:
         ValueError: no runs, or a run whose ``gpus``, ``wall_s``, ``samples_per_s`` or
@@ -116,20 +121,21 @@ def scaling_rows(runs: list[dict]) -> list[dict]:
         if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
             raise ValueError(f"{where}: 'gpus' must be an integer >= 1, got {gpus!r}")
         wall = _number(run, "wall_s", where, required=False, positive=True)
+        rps = _number(run, "rays_per_s", where, required=False, positive=True)
         sps = _number(run, "samples_per_s", where, required=False, positive=True)
         psnr = _number(run, "psnr", where, required=False, positive=False)
-        checked.append((gpus, i, run, wall, sps, psnr))
-    by_samples = all(c[4] is not None for c in checked)
-    if not by_samples:  # compared by wall time: every run needs one
+        checked.append((gpus, i, run, wall, {"rays_per_s": rps, "samples_per_s": sps}, psnr))
+    basis = next((k for k in ("rays_per_s", "samples_per_s") if all(c[4][k] is not None for c in checked)),
+                 "wall_s")
+    if basis == "wall_s":  # compared by wall time: every run needs one
         for c in checked:
             if c[3] is None:
                 raise ValueError(f"scaling run {c[1]}: 'wall_s' is missing (needed since not every run has "
-                                 "'samples_per_s')")
+                                 "'rays_per_s' or 'samples_per_s')")
     checked.sort(key=lambda c: (c[0], c[1]))
-    basis = "samples_per_s" if by_samples else "wall_s"
 
     def throughput(c: tuple) -> float:
-        return c[4] if by_samples else 1.0 / c[3]
+        return 1.0 / c[3] if basis == "wall_s" else c[4][basis]
 
     base = checked[0]
     per_gpu = throughput(base) / base[0]
@@ -434,7 +440,7 @@ def run(
     out_dir: str | Path,
     scene: str | None = None,
     test_every: int | None = None,
-    scaling: str | Path | None = None,
+    scaling: str | Path | Sequence[str | Path] | None = None,
     photos: str | None = None,
     references: str | Path = REFERENCES,
 ) -> dict:
@@ -449,7 +455,8 @@ def run(
         out_dir: this stage's out folder (replaced atomically).
         scene: a name for the title and the published-numbers lookup (default: "scene").
         test_every: ``poses.test_every``, to state the split rule (inferred from split.json when None).
-        scaling: a JSON file of runs at several GPU counts (:func:`read_scaling`); None: no table.
+        scaling: a JSON file of runs at several GPU counts (:func:`read_scaling`), or several (one
+            table each); None: no table.
         photos: ``ingest.photos``, for the reproduce block.
         references: the published-numbers file.
 
@@ -464,7 +471,11 @@ def run(
     rec_m = _read_json(metrics_dir / "reconstruct.json", required=False)
     per_view = _read_json(evaluate_dir / "per_view.json", required=True)
     split = _read_json(poses_dir / "split.json", required=False) or {}
-    scaling_doc = read_scaling(scaling) if scaling is not None else None
+    if scaling is None:
+        scaling = []
+    elif isinstance(scaling, (str, Path)):
+        scaling = [scaling]
+    scaling_docs = [read_scaling(f) for f in scaling]  # all read (and checked) before anything is written
     refs = load_references(references)
     env = ev.get("environment") or {}
     method = ev.get("method") or "?"
@@ -605,8 +616,10 @@ def run(
         doc.para(curve_note, em=True)
     else:
         doc.figure("training_curve.png", "training curve")
-    if scaling_doc is not None:
-        _scaling_section(doc, scaling_doc, scene, method)
+    if scaling_docs:
+        doc.h2("Scaling")
+        for sc in scaling_docs:
+            _scaling_section(doc, sc, scene, method, titled=len(scaling_docs) > 1)
     doc.h2("Environment")
     doc.table(["", "value"], env_rows, "environment")
     doc.h2("Reproduce")
@@ -660,11 +673,17 @@ def _published_section(doc: Doc, ref: dict | None, scene: str, ev: dict, method:
     return len(rows)
 
 
-def _scaling_section(doc: Doc, sc: dict, scene: str, method: str) -> None:
-    doc.h2("Scaling")
+_BASIS = {"rays_per_s": "training rays/s", "samples_per_s": "samples/s", "wall_s": "1 / wall time"}
+
+
+def _scaling_section(doc: Doc, sc: dict, scene: str, method: str, titled: bool = False) -> None:
     what = ", ".join(x for x in (sc.get("scene"), sc.get("method")) if x) or "runs"
+    if titled:
+        doc.h3(f"{what}, {sc.get('mode') or 'scaling'}" + (f" ({sc['global_batch_rays']} rays per step)"
+               if sc.get("mode") == "strong" else f" ({sc['batch_rays_per_gpu']} rays per GPU per step)"
+               if sc.get("batch_rays_per_gpu") else ""))
     doc.para(f"{what}: one workload at several GPU counts. Speedup: throughput "
-             f"({'samples/s' if sc['rows'][0]['speedup_basis'] == 'samples_per_s' else '1 / wall time'}) against "
+             f"({_BASIS[sc['rows'][0]['speedup_basis']]}) against "
              f"the run with the fewest GPUs ({sc['rows'][0]['gpus']}), counted from one GPU with that run taken as "
              "perfectly efficient; efficiency = speedup / GPUs; ΔPSNR against that run.")
     if sc.get("mode") == "strong":
@@ -676,10 +695,11 @@ def _scaling_section(doc: Doc, sc: dict, scene: str, method: str) -> None:
     if sc.get("scene") and str(sc["scene"]).lower() != scene.lower():
         doc.para(f"Note: the scaling runs are of scene '{sc['scene']}', this report of '{scene}'.", em=True)
     rows = [[fmt(r["gpus"]), "n/a" if r.get("wall_s") is None else fmt(float(r["wall_s"]), 1),
+             "n/a" if r.get("rays_per_s") is None else f"{r['rays_per_s']:,.0f}",
              "n/a" if r.get("samples_per_s") is None else f"{r['samples_per_s']:,.0f}", f"{r['speedup']:.2f}x",
              f"{100 * r['efficiency']:.0f}%", fmt(r.get("psnr"), 2),
              "n/a" if r["delta_psnr"] is None else f"{r['delta_psnr']:+.2f}"] for r in sc["rows"]]
-    doc.table(["GPUs", "wall time (s)", "samples/s", "speedup", "efficiency", "PSNR (dB)", "ΔPSNR (dB)"], rows,
+    doc.table(["GPUs", "wall time (s)", "rays/s", "samples/s", "speedup", "efficiency", "PSNR (dB)", "ΔPSNR (dB)"], rows,
               "scaling")
 
 
@@ -738,9 +758,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--poses", type=Path, required=True, help="the poses stage's out folder")
     ap.add_argument("--out", type=Path, required=True, help="this stage's out folder")
     ap.add_argument("--params", type=Path, default=DEFAULT_PARAMS, help="params file (default: params.yaml)")
-    ap.add_argument("--scaling", type=Path, default=None,
+    ap.add_argument("--scaling", type=Path, action="append", default=None,
                     help='JSON {"scene", "method", "runs": [{"gpus", "wall_s", "samples_per_s", "psnr"}]}: '
-                         "adds a scaling table")
+                         "adds a scaling table (repeatable)")
     args = ap.parse_args(argv)
     setup("report")
     try:

@@ -240,6 +240,10 @@ def test_scaling_rows_speedup_and_efficiency():
     # without samples/s everywhere: 1 / wall time
     rows = report.scaling_rows([{"gpus": 1, "wall_s": 100.0}, {"gpus": 2, "wall_s": 50.0, "samples_per_s": 1.0}])
     assert rows[1]["speedup"] == pytest.approx(2.0) and rows[1]["speedup_basis"] == "wall_s"
+    # training rays/s first: samples per ray differ between runs (occupancy grid at another state)
+    rows = report.scaling_rows([{"gpus": 1, "wall_s": 15.7, "rays_per_s": 1.04e6, "samples_per_s": 29.4e6},
+                                {"gpus": 2, "wall_s": 9.1, "rays_per_s": 1.80e6, "samples_per_s": 29.9e6}])
+    assert rows[1]["speedup_basis"] == "rays_per_s" and rows[1]["speedup"] == pytest.approx(1.80 / 1.04)
 
 
 @pytest.mark.parametrize("runs, match", [
@@ -268,9 +272,19 @@ def test_scaling_table_from_the_command_line(pipeline, capsys):
     assert report.main(_args(root) + ["--params", str(params), "--scaling", str(scaling)]) == 0
     page = (root / "report" / "report.html").read_text()
     assert '<table class="scaling">' in page
-    assert "<td>2</td><td>310.0</td><td>38,000,000</td><td>1.90x</td><td>95%</td><td>27.10</td><td>-0.20</td>" in page
+    assert "<td>2</td><td>310.0</td><td>n/a</td><td>38,000,000</td><td>1.90x</td><td>95%</td><td>27.10</td><td>-0.20</td>" in page
     md = (root / "report" / "report.md").read_text()
-    assert "| GPUs | wall time (s) | samples/s | speedup | efficiency | PSNR (dB) | ΔPSNR (dB) |" in md
+    assert "| GPUs | wall time (s) | rays/s | samples/s | speedup | efficiency | PSNR (dB) | ΔPSNR (dB) |" in md
+    # two files (weak and strong scaling, as bench_scaling.py writes them): one titled table each
+    strong = root / "strong.json"
+    strong.write_text(json.dumps({"scene": "unit", "method": "nerf", "mode": "strong", "global_batch_rays": 16384,
+                                  "runs": [{"gpus": 1, "wall_s": 10.0, "rays_per_s": 1.6e6, "psnr": 20.0},
+                                           {"gpus": 2, "wall_s": 6.0, "rays_per_s": 2.7e6, "psnr": 20.0}]}))
+    assert report.main(_args(root) + ["--params", str(params), "--scaling", str(scaling), "--scaling", str(strong)]) == 0
+    md = (root / "report" / "report.md").read_text()
+    assert md.count("## Scaling") == 1 and "### unit, nerf, strong (16384 rays per step)" in md
+    assert "same steps with the same global batch (16384 rays per step" in md
+    assert "| 2 | 6.0 | 2,700,000 | n/a | 1.69x | 84% | 20.00 | +0.00 |" in md
     # a bad file: a clear error naming it, exit code 1
     scaling.write_text(json.dumps({"runs": [{"gpus": 1}]}))
     assert report.main(_args(root) + ["--params", str(params), "--scaling", str(scaling)]) == 1
