@@ -66,19 +66,28 @@ def hash_encode_reference(points: torch.Tensor, table: torch.Tensor,
         raise ValueError(f"resolutions has {len(res)} entries but table has {num_levels} levels")
     dtype = torch.promote_types(torch.promote_types(table.dtype, torch.float32), points.dtype)
     x = torch.nan_to_num(points.to(dtype), nan=0.0).clamp(0.0, 1.0)
-    bits = torch.tensor(_CORNER_BITS, device=points.device)  # [8, 3]
-    upper = bits.bool()
+    n = points.shape[0]
     outs = []
     for level, r in enumerate(res):
         r = max(r, 1)
         pos = x * r  # [N, 3]
         cell = torch.floor(pos).clamp(max=r - 1)
         frac = pos - cell
-        corners = cell.long()[:, None, :] + bits  # [N, 8, 3]
-        f = frac[:, None, :].expand(-1, 8, -1)
-        w3 = torch.where(upper, f, 1 - f)  # [N, 8, 3]: frac or 1 - frac per axis
-        weights = w3[..., 0] * w3[..., 1] * w3[..., 2]  # [N, 8], (wx * wy) * wz like the kernel
-        rows = grid_index(corners, r, table_size)  # [N, 8]
+        # Per axis the two corner weights (1 - frac, frac) and coordinates (cell, cell + 1), [N, 2]
+        # each; the 8 corners are their outer products, laid out [N, z, y, x] so that the flat
+        # index is corner c = x + 2 y + 4 z (the kernel's order). Work per level stays [N, 2] per
+        # axis instead of [N, 8, 3].
+        w = torch.stack([1 - frac, frac], dim=-1)  # [N, 3, 2]
+        wxy = w[:, 1, :, None] * w[:, 0, None, :]  # [N, y, x]: wx * wy (commutes exactly)
+        weights = (w[:, 2, :, None, None] * wxy[:, None]).reshape(n, 8)  # (wx * wy) * wz like the kernel
+        c = cell.long()[:, :, None] + torch.tensor([0, 1], device=points.device)  # [N, 3, 2]
+        cx, cy, cz = c[:, 0, None, None, :], c[:, 1, None, :, None], c[:, 2, :, None, None]
+        r1 = r + 1
+        if r1**3 <= table_size:  # dense, as grid_index
+            rows = (cx + cy * r1 + cz * (r1 * r1)).reshape(n, 8)
+        else:  # the spatial hash of grid_index, one axis at a time
+            h = (cx * HASH_PRIMES[0]) ^ ((cy * HASH_PRIMES[1]) & _U32) ^ ((cz * HASH_PRIMES[2]) & _U32)
+            rows = ((h & _U32) % table_size).reshape(n, 8)
         # index_select, not table[rows]: its backward (index_add_) sums repeated rows in a fixed
         # order, so CPU runs with several threads are bit-identical (advanced indexing's backward,
         # index_put_ with accumulate, adds them in thread order).
