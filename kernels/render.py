@@ -24,7 +24,7 @@ from torch.autograd.function import once_differentiable
 
 from ._driver import KernelProgram, f32, i32, ptr, u32
 from ._reference import composite_reference, march_rays_reference
-from .hashgrid import _use_kernels
+from .hashgrid import _check_tensor, _use_kernels
 
 BLOCK_SIZE = 128
 _NAMES = ["march_rays<false>", "march_rays<true>", "composite_fwd", "composite_bwd"]
@@ -53,15 +53,15 @@ class Samples(NamedTuple):
 
 
 def _check(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != len(shape) or any(s is not None and a != s for a, s in zip(t.shape, shape)):
+    """``t`` is a tensor of ``shape`` (None: any size), ``dtype``, on ``device``."""
+    _check_tensor(name, t, len(shape))
+    if any(s is not None and a != s for a, s in zip(t.shape, shape)):
         want = "[" + ", ".join("N" if s is None else str(s) for s in shape) + "]"
         raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
     if t.dtype != dtype:
         raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
     if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, the rays on {device}")
+        raise ValueError(f"{name} must be on {device} with the other inputs, got {t.device}")
 
 
 def march_rays(origins: torch.Tensor, dirs: torch.Tensor, jitter: torch.Tensor, aabb: torch.Tensor,

@@ -11,6 +11,28 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# A NeRF small enough for a 2-core CI machine (tens of steps in seconds).
+TINY_NERF = {"levels": 4, "log2_hashmap_size": 12, "max_resolution": 64, "hidden_dim": 16,
+             "samples_per_ray": 32, "occ_resolution": 16}
+# The end-to-end tests' pipeline: a small generated scene, few steps, a token orbit.
+TINY_PIPELINE = {
+    "scene": {"width": 200, "height": 150, "views": 24, "rings": 2, "fov_deg": 55.0, "objects": 5},
+    "poses": {"max_features": 2048},
+    "reconstruct": {"steps": 40, "batch_rays": 512, "eval_every": 20, "nerf": TINY_NERF},
+    "evaluate": {"chunk_rays": 4096, "orbit_frames": 4, "orbit_size": 24},  # a token orbit: CI time matters
+    "report": {"max_views": 2},
+}
+# Keys that newer params.yaml files have: turned off where present (CI time), left alone where not.
+OPTIONAL_OFF = {"evaluate": {"orbit_frames": 0}, "reconstruct": {"tensorboard": False}}
+
+
+def optional_off(params: dict) -> dict:
+    """``params`` with the :data:`OPTIONAL_OFF` keys it has turned off (in place; returned)."""
+    for section, keys in OPTIONAL_OFF.items():
+        if section in params:
+            params[section].update({k: v for k, v in keys.items() if k in params[section]})
+    return params
+
 
 def make_dvc_project(root: Path, stage_py: str, dvc_yaml: str, params_yaml: str) -> Path:
     root.mkdir(parents=True, exist_ok=True)

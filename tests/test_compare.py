@@ -17,30 +17,18 @@ import pytest
 import yaml
 
 from stages import compare
-from _dvc_project import ROOT, copy_pipeline, merge, ran_stages, run
+from _dvc_project import ROOT, TINY_PIPELINE, copy_pipeline, merge, optional_off, ran_stages, run
 
-SMALL = {  # the e2e test's tiny scene with fewer views and steps: the baseline repro takes ~15 s on 2 cores
-    "scene": {"width": 200, "height": 150, "views": 16, "rings": 2, "fov_deg": 55.0, "objects": 5},
-    "poses": {"max_features": 2048},
-    "reconstruct": {
-        "steps": 20, "batch_rays": 512, "eval_every": 10,
-        "nerf": {"levels": 4, "log2_hashmap_size": 12, "max_resolution": 64, "hidden_dim": 16,
-                 "samples_per_ray": 32, "occ_resolution": 16},
-        "distributed": {"checkpoint_every": 0},
-    },
-    "evaluate": {"chunk_rays": 4096},
-    "report": {"max_views": 1},
-}
-# keys newer params.yaml files have: turned off where present (CI time), left alone where not
-OPTIONAL_OFF = {"evaluate": {"orbit_frames": 0}, "reconstruct": {"tensorboard": False}}
+# the e2e test's tiny pipeline with fewer views and steps: the baseline repro takes ~15 s on 2 cores
+SMALL = merge(TINY_PIPELINE, {"scene": {"views": 16},
+                              "reconstruct": {"steps": 20, "eval_every": 10, "distributed": {"checkpoint_every": 0}},
+                              "report": {"max_views": 1}})
 EXPERIMENTS = {"fewer-steps": ["reconstruct.steps=10"], "two-workers": ["reconstruct.distributed.cpu_workers=2"]}
 
 
 @pytest.fixture(scope="module")
 def exp_repo(tmp_path_factory) -> Path:
-    params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), SMALL)
-    for section, keys in OPTIONAL_OFF.items():
-        params[section].update({k: v for k, v in keys.items() if k in params[section]})
+    params = optional_off(merge(yaml.safe_load((ROOT / "params.yaml").read_text()), SMALL))
     repo = copy_pipeline(tmp_path_factory.mktemp("compare"), params, "code")  # the baseline's metrics name a revision
     run(["dvc", "repro"], repo)
     run(["git", "add", "-A"], repo)

@@ -12,26 +12,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from _dvc_project import ROOT, copy_pipeline, merge, ran_stages, run
+from _dvc_project import ROOT, TINY_PIPELINE, copy_pipeline, merge, ran_stages, run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-TINY = {
-    "scene": {"width": 200, "height": 150, "views": 24, "rings": 2, "fov_deg": 55.0, "objects": 5},
-    "poses": {"max_features": 2048},
-    "reconstruct": {
-        "steps": 40, "batch_rays": 512, "eval_every": 20,
-        "nerf": {"levels": 4, "log2_hashmap_size": 12, "max_resolution": 64, "hidden_dim": 16,
-                 "samples_per_ray": 32, "occ_resolution": 16},
-    },
-    "evaluate": {"chunk_rays": 4096, "orbit_frames": 4, "orbit_size": 24},  # a token orbit: CI time matters
-    "report": {"max_views": 2},
-}
 
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
-    params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), TINY)
+    params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), TINY_PIPELINE)
     return copy_pipeline(tmp_path_factory.mktemp("e2e"), params, "tiny")
 
 

@@ -31,7 +31,7 @@ import torch
 import yaml
 
 from stages import scene
-from _dvc_project import merge
+from _dvc_project import TINY_NERF, merge, optional_off
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,13 +41,11 @@ PARAMS = {
     "seed": 3,
     "reconstruct": {
         "method": "nerf", "device": "cpu", "steps": 100, "batch_rays": 512, "eval_every": 50,
-        "nerf": {"levels": 4, "log2_hashmap_size": 12, "max_resolution": 64, "hidden_dim": 16,
-                 "samples_per_ray": 32, "occ_resolution": 16, "occ_update_every": 16},
+        "nerf": {**TINY_NERF, "occ_update_every": 16},
         "distributed": {"gpus": "auto", "cpu_workers": 1, "checkpoint_every": 0},
     },
     "evaluate": {"chunk_rays": 4096},
 }
-OPTIONAL_OFF = {"evaluate": {"orbit_frames": 0}, "reconstruct": {"tensorboard": False}}  # where params.yaml has them
 TIMING_COLUMNS = {"elapsed_s", "samples_per_s"}  # wall-clock figures: never expected to repeat
 MULTI_THREADED = torch.get_num_threads() > 1  # what a stage process gets by default on this machine
 
@@ -63,7 +61,7 @@ def setup(tmp_path_factory) -> tuple[Path, Path, Path]:
     doc = {"seed": PARAMS["seed"]}
     for section in ("reconstruct", "evaluate"):
         doc[section] = merge(project[section], PARAMS[section])
-        doc[section].update({k: v for k, v in OPTIONAL_OFF[section].items() if k in project[section]})
+    optional_off(doc)
     params = root / "params.yaml"
     params.write_text(yaml.safe_dump(doc, sort_keys=False))
     return root, poses, params

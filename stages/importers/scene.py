@@ -31,8 +31,9 @@ def _fail(where: Any, problem: str) -> ValueError:
 
 
 @dataclass(frozen=True)
-class Camera:
-    """Intrinsics of one image in COLMAP's OPENCV / FULL_OPENCV parameterisation.
+class Camera(C.Intrinsics):
+    """Intrinsics of one image in COLMAP's OPENCV / FULL_OPENCV parameterisation: the pinhole
+    :class:`stages.common.cameras.Intrinsics` plus lens distortion.
 
     ``fx, fy, cx, cy`` in pixels (the first pixel's centre at (0.5, 0.5)); ``dist`` is
     ``(k1, k2, p1, p2)`` or ``(k1, k2, p1, p2, k3, k4, k5, k6)`` (OpenCV's rational model),
@@ -40,12 +41,6 @@ class Camera:
     coefficients zero, so every supported model has one exact form here.
     """
 
-    width: int
-    height: int
-    fx: float
-    fy: float
-    cx: float
-    cy: float
     dist: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
 
     @property
@@ -67,7 +62,12 @@ class Camera:
         return replace(self, width=width, height=height, fx=self.fx * sx, fy=self.fy * sy,
                        cx=self.cx * sx, cy=self.cy * sy)
 
+    def scaled(self, factor: float) -> "Camera":
+        """As ``Intrinsics.scaled``, keeping the distortion."""
+        return self.resized(round(self.width * factor), round(self.height * factor))
+
     def intrinsics(self) -> C.Intrinsics:
+        """The pinhole part alone (what the images are after undistortion)."""
         return C.Intrinsics(self.width, self.height, self.fx, self.fy, self.cx, self.cy)
 
 

@@ -295,7 +295,6 @@ class GradReducer:
             self.buckets.append(cur)
         self.sparse_steps = 0  # how often a gradient went the sparse way (auto mode)
         self._flats: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # bucket -> (flat, views)
-        self._attached = False
         self._armed = False
         self._pending: list[int] = []
         self._inflight: dict[int, tuple[torch.Tensor, Any]] = {}
@@ -347,11 +346,10 @@ class GradReducer:
                 self._flats[b][0].zero_()
             for i, v in zip(bucket, self._flats[b][1]):
                 self.params[i].grad = v
-        self._attached = True
 
     def _bucket_views(self, b: int) -> torch.Tensor | None:
         """The bucket's flat buffer when every gradient in it is still attached, else None."""
-        if not self._attached or b not in self._flats:
+        if b not in self._flats:
             return None
         flat, views = self._flats[b]
         for i, v in zip(self.buckets[b], views):
@@ -432,7 +430,6 @@ class GradReducer:
                 g.copy_(flat[off: off + n].view_as(g)).mul_(scale)
                 off += n
         self._inflight = {}
-        self._attached = False  # the optimizer may drop the views (zero_grad(set_to_none=True))
         if extras_work is not None:
             extras_work.wait()
         for i in self.sparse_idx:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+import kernels
 from kernels._reference import ray_box_reference
 
 from .field import NerfField, sh_encode_deg4
@@ -78,8 +79,6 @@ def render_rays(
 
 
 def _render_packed(field, grid, o, d, step_size, max_samples, near, perturb, generator):
-    import kernels
-
     R = o.shape[0]
     if perturb:  # the same draws as the dense path's [R, 1] jitter
         jitter = torch.rand((R,), generator=generator, device=generator.device if generator else "cpu").to(o.device)
