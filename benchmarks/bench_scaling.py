@@ -83,7 +83,7 @@ def run_one(poses: Path, gpus: int, steps: int, batch: int, args, work: Path, ex
             "wall_s": s["train_time_s"], "rays_per_s": s["rays_per_s"], "samples_per_s": s["samples_per_s"],
             "step_compute_ms": 1e3 * (s["step_compute_s"] or 0.0), "step_comm_ms": 1e3 * (s["step_comm_s"] or 0.0),
             "psnr": e.get("psnr"), "ssim": e.get("ssim"), "test_psnr_sampled": s.get("final_test_psnr_sampled"),
-            "gpu_name": s.get("gpu_name")}
+            "gpu_name": s.get("gpu_name"), "fused_render": s.get("fused_render"), "cuda_graph": s.get("cuda_graph")}
 
 
 def with_speedup(runs: list[dict]) -> list[dict]:

@@ -32,6 +32,7 @@ ptr = ctypes.c_void_p
 u32 = ctypes.c_uint32
 i32 = ctypes.c_int32
 f32 = ctypes.c_float
+i64 = ctypes.c_int64
 
 
 class CudaDriverError(RuntimeError):

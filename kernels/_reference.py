@@ -158,10 +158,11 @@ def composite_reference(sigma: torch.Tensor, rgb: torch.Tensor, t: torch.Tensor,
     cnt = counts.long()
     width = int(cnt.max()) if R else 0
     ray = torch.repeat_interleave(torch.arange(R, device=sigma.device), cnt)
-    pos = torch.arange(ray.numel(), device=sigma.device) - offsets.long()[ray]
-    dense_sigma = sigma.new_zeros(R, width).index_put((ray, pos), sigma)
-    dense_rgb = rgb.new_zeros(R, width, 3).index_put((ray, pos), rgb)
-    dense_t = t.new_zeros(R, width).index_put((ray, pos), t.detach())
+    pos = torch.arange(ray.numel(), device=sigma.device) - (torch.cumsum(cnt, 0) - cnt)[ray]
+    src = offsets.long()[ray] + pos  # rows not owned by a ray (a padded sample budget) are never read
+    dense_sigma = sigma.new_zeros(R, width).index_put((ray, pos), sigma[src])
+    dense_rgb = rgb.new_zeros(R, width, 3).index_put((ray, pos), rgb[src])
+    dense_t = t.new_zeros(R, width).index_put((ray, pos), t.detach()[src])
     alpha = 1.0 - torch.exp(-dense_sigma * dt)
     trans = torch.cumprod(torch.cat([torch.ones_like(alpha[:, :1]), 1.0 - alpha + 1e-10], dim=1), dim=1)[:, :-1]
     w = alpha * trans

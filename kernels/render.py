@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from ._driver import KernelProgram, f32, i32, ptr, u32
+from ._driver import KernelProgram, f32, i32, i64, ptr, u32
 from ._reference import composite_reference, march_rays_reference
 from .hashgrid import _check_tensor, _use_kernels
 
@@ -43,13 +43,28 @@ def default_programs() -> list[KernelProgram]:
 
 
 class Samples(NamedTuple):
-    """Packed samples of R rays: ray i owns ``offsets[i] .. offsets[i] + counts[i] - 1``."""
+    """Packed samples of R rays: ray i owns ``offsets[i] .. offsets[i] + counts[i] - 1``.
+
+    With a ``capacity`` (see :func:`march_rays`) the arrays have exactly that many rows; rows past
+    the last sample are zeros (ray 0, t 0, point 0) and belong to no ray."""
 
     ray_index: torch.Tensor  # [S] int64
     t: torch.Tensor  # [S] float32, distance along the ray
     points: torch.Tensor  # [S, 3] float32
     offsets: torch.Tensor  # [R] int64
     counts: torch.Tensor  # [R] int32
+    total: torch.Tensor | None = None  # 0-d int64 on the rays' device: samples before any capacity cut
+
+
+def _fit_capacity(ray_index, t, points, offsets, counts, capacity: int) -> Samples:
+    """Cut packed samples to their first ``capacity`` rows (counts clamped), or zero-pad to it."""
+    total = counts.sum(dtype=torch.int64)
+    n = ray_index.shape[0]
+    keep = min(n, capacity)
+    pad = capacity - keep
+    counts = torch.minimum(counts.long(), (capacity - offsets).clamp(min=0)).to(torch.int32)
+    return Samples(torch.cat([ray_index[:keep], ray_index.new_zeros(pad)]), torch.cat([t[:keep], t.new_zeros(pad)]),
+                   torch.cat([points[:keep], points.new_zeros(pad, 3)]), offsets, counts, total)
 
 
 def _check(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
@@ -66,7 +81,7 @@ def _check(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device)
 
 def march_rays(origins: torch.Tensor, dirs: torch.Tensor, jitter: torch.Tensor, aabb: torch.Tensor,
                occupancy: torch.Tensor | None, dt: float, max_samples: int, near: float = 0.0, *,
-               use_kernels: bool | None = None) -> Samples:
+               capacity: int | None = None, use_kernels: bool | None = None) -> Samples:
     """Samples along rays at a fixed step, inside the box and in occupied cells.
 
     Sample s of a ray (0 <= s < max_samples) sits at ``t = tmin + (s + jitter) * dt`` (tmin: where the
@@ -79,6 +94,10 @@ def march_rays(origins: torch.Tensor, dirs: torch.Tensor, jitter: torch.Tensor, 
         aabb: [2, 3] float32 box (min corner, max corner).
         occupancy: bool grid with r^3 entries (any shape), or None for no culling.
         dt: march step; max_samples: samples per ray at most; near: minimum t.
+        capacity: a fixed number of sample rows instead of exactly as many as there are: no host
+            sync (the kernels' sample count stays on the device) and the same shapes every call, so
+            the march can be captured in a CUDA graph. Samples past ``capacity`` (in ray order) are
+            dropped and their rays' counts cut; ``Samples.total`` holds the uncut count.
         use_kernels: as :func:`kernels.hash_encode`.
 
     Returns:
@@ -99,8 +118,13 @@ def march_rays(origins: torch.Tensor, dirs: torch.Tensor, jitter: torch.Tensor, 
             raise ValueError(f"occupancy must have r^3 cells, got {occupancy.numel()}")
     if not (dt > 0) or int(max_samples) < 1:
         raise ValueError(f"dt must be > 0 and max_samples >= 1, got {dt}, {max_samples}")
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+        raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
     if not _use_kernels(dev, use_kernels):
-        return Samples(*march_rays_reference(origins, dirs, jitter, aabb, occupancy, dt, max_samples, near))
+        out = march_rays_reference(origins, dirs, jitter, aabb, occupancy, dt, max_samples, near)
+        if capacity is None:
+            return Samples(*out, total=torch.tensor(out[0].shape[0], device=dev))
+        return _fit_capacity(*out, capacity)
     origins, dirs, jitter = origins.contiguous(), dirs.contiguous(), jitter.contiguous()
     box = aabb.contiguous().reshape(6)
     occ = occupancy.contiguous() if occupancy is not None else None
@@ -112,18 +136,25 @@ def march_rays(origins: torch.Tensor, dirs: torch.Tensor, jitter: torch.Tensor, 
               (float(dt), f32), (int(max_samples), i32), (float(near), f32), (R, u32)]
     if R:
         prog.launch("march_rays<false>", grid, (BLOCK_SIZE,),
-                    common + [(counts.data_ptr(), ptr), (0, ptr), (0, ptr), (0, ptr), (0, ptr)], device=dev)
+                    common + [(counts.data_ptr(), ptr), (0, ptr), (0, i64), (0, ptr), (0, ptr), (0, ptr)],
+                    device=dev)
     ends = torch.cumsum(counts, 0, dtype=torch.int64)
     offsets = ends - counts
-    total = int(ends[-1]) if R else 0  # the one host sync: how many samples to allocate
-    ray_index = torch.empty(total, dtype=torch.int64, device=dev)
-    t = torch.empty(total, dtype=torch.float32, device=dev)
-    points = torch.empty(total, 3, dtype=torch.float32, device=dev)
-    if total:
+    total_dev = ends[-1] if R else torch.zeros((), dtype=torch.int64, device=dev)
+    if capacity is None:
+        rows = int(total_dev)  # the one host sync: how many samples to allocate
+        alloc = torch.empty
+    else:
+        rows, alloc = capacity, torch.zeros  # rows past the last sample stay zeros
+    ray_index = alloc(rows, dtype=torch.int64, device=dev)
+    t = alloc(rows, dtype=torch.float32, device=dev)
+    points = alloc(rows, 3, dtype=torch.float32, device=dev)
+    if R and rows:
         prog.launch("march_rays<true>", grid, (BLOCK_SIZE,),
-                    common + [(counts.data_ptr(), ptr), (offsets.data_ptr(), ptr), (ray_index.data_ptr(), ptr),
-                              (t.data_ptr(), ptr), (points.data_ptr(), ptr)], device=dev)
-    return Samples(ray_index, t, points, offsets, counts)
+                    common + [(counts.data_ptr(), ptr), (offsets.data_ptr(), ptr), (rows, i64),
+                              (ray_index.data_ptr(), ptr), (t.data_ptr(), ptr), (points.data_ptr(), ptr)],
+                    device=dev)
+    return Samples(ray_index, t, points, offsets, counts, total_dev)
 
 
 class _Composite(torch.autograd.Function):

@@ -21,8 +21,9 @@ def _rays(n: int, seed: int, device="cpu"):
     o = torch.randn(n, 3, generator=g) * 0.3 + torch.tensor([0.0, 0.0, -2.5])
     d = torch.nn.functional.normalize(torch.tensor([0.0, 0.0, 1.0]) + torch.randn(n, 3, generator=g) * 0.3, dim=-1)
     d[0] = torch.tensor([0.0, 0.0, 1.0])  # axis-aligned: two direction components are 0
-    o[1], d[1] = torch.tensor([5.0, 5.0, 5.0]), torch.tensor([1.0, 0.0, 0.0])  # misses the box
-    o[2] = torch.tensor([0.1, -0.2, 0.3])  # starts inside the box
+    if n > 2:
+        o[1], d[1] = torch.tensor([5.0, 5.0, 5.0]), torch.tensor([1.0, 0.0, 0.0])  # misses the box
+        o[2] = torch.tensor([0.1, -0.2, 0.3])  # starts inside the box
     return o.to(device), d.to(device)
 
 

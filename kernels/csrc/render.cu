@@ -49,7 +49,8 @@ __device__ __forceinline__ u32 occupancy_cell(const float (&p)[3], const float* 
 // One thread per ray. Sample s (0 <= s < max_samples) sits at t = tmin + (s + jitter) * dt and is
 // kept when t < tmax and its occupancy cell is set (occ == nullptr: every cell). WRITE = false:
 // counts[ray] = kept samples. WRITE = true: the kept samples of the ray go to offsets[ray] ..
-// (ray index, t, point).
+// (ray index, t, point), those at or past `capacity` are dropped, and counts[ray] becomes the
+// number written (a fixed-size sample buffer, as a CUDA-graph-captured training step needs).
 template <bool WRITE>
 __global__ void march_rays(const float* __restrict__ origins,     // [R, 3]
                            const float* __restrict__ dirs,        // [R, 3]
@@ -57,8 +58,9 @@ __global__ void march_rays(const float* __restrict__ origins,     // [R, 3]
                            const float* __restrict__ aabb,        // [6]: lo xyz, hi xyz
                            const unsigned char* __restrict__ occ, // [r^3] bool, or nullptr
                            int r, float dt, int max_samples, float near, u32 R,
-                           int* __restrict__ counts,              // [R] (WRITE = false)
+                           int* __restrict__ counts,              // [R]: out, or clamped (WRITE)
                            const long long* __restrict__ offsets, // [R] exclusive scan (WRITE = true)
+                           long long capacity,                    // sample slots (WRITE = true)
                            long long* __restrict__ ray_index,     // [S_total]
                            float* __restrict__ t_out,             // [S_total]
                            float* __restrict__ points) {          // [S_total, 3]
@@ -73,9 +75,15 @@ __global__ void march_rays(const float* __restrict__ origins,     // [R, 3]
   float tmin, tmax;
   ray_box(o, d, aabb, near, tmin, tmax);
   const float j = __ldg(jitter + ray);
-  long long out = WRITE ? __ldg(offsets + ray) : 0;
+  const long long first = WRITE ? __ldg(offsets + ray) : 0;
+  if (WRITE && first >= capacity) {  // no slot left for this ray
+    counts[ray] = 0;
+    return;
+  }
+  long long out = first;
   int n = 0;
   for (int s = 0; s < max_samples; ++s) {
+    if (WRITE && out >= capacity) break;
     const float t = __fadd_rn(tmin, __fmul_rn(__fadd_rn((float)s, j), dt));
     if (!(t < tmax)) break;  // t grows with s (rounding is monotone): the rest are out too
     float p[3];
@@ -92,7 +100,7 @@ __global__ void march_rays(const float* __restrict__ origins,     // [R, 3]
     }
     ++n;
   }
-  if (!WRITE) counts[ray] = n;
+  counts[ray] = n;  // WRITE: the samples that found a slot (the same as the count pass otherwise)
 }
 
 // Per sample: alpha = 1 - exp(-sigma * dt) and the transmittance factor (1 - alpha) + 1e-10, as the

@@ -38,6 +38,15 @@ log = logging.getLogger("stages.reconstruct")
 MODEL_FORMAT = "rayforge-model-v1"
 
 
+def _graph_summary(method) -> dict | None:
+    """Rank 0's CUDA-graph step: captures, budget, and steps that ran past the budget."""
+    g = getattr(method, "graphed", None)
+    if g is None:
+        return None
+    return {"captures": g.captures, "budget_samples": g.capacity, "max_samples_seen": g.max_count,
+            "overflow_steps": g.overflow_steps}
+
+
 def pick_device(setting: str) -> torch.device:
     if setting == "cuda":
         if not torch.cuda.is_available():
@@ -113,6 +122,8 @@ def run(
         "final_train_psnr": result.final_psnr,
         "final_test_psnr_sampled": result.final_test_psnr,
         "kernels": method.use_kernels,
+        "fused_render": getattr(method, "fused", False),
+        "cuda_graph": _graph_summary(method),
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
         "seed": seed,

@@ -46,6 +46,7 @@ OPERATIONAL_KEYS = frozenset({
     "eval_every",
     "nerf.use_kernels",
     "nerf.fused_render",
+    "nerf.cuda_graph",
     "distributed.gpus", "distributed.nodes", "distributed.cpu_workers",
     "distributed.rdzv_endpoint", "distributed.rdzv_timeout_s", "distributed.grad_sync",
     "distributed.checkpoint_every", "distributed.max_restarts", "distributed.replica_check_every",

@@ -29,7 +29,11 @@ class NerfParams:
     use_kernels: Literal["auto", "on", "off"] | bool = "auto"
     # Packed-sample renderer (kernels.march_rays / kernels.composite): "on" everywhere (CUDA kernels on
     # a GPU, their references on the CPU), "auto" where the CUDA kernels run, "off" the dense one.
-    fused_render: Literal["auto", "on", "off"] | bool = "off"
+    fused_render: Literal["auto", "on", "off"] | bool = "auto"
+    # The training step's forward + backward captured once in a CUDA graph and replayed (packed
+    # renderer with a fixed sample budget; nerf/graph.py): "auto" whenever the packed renderer runs
+    # CUDA kernels (and overlap_comm is off), "on" (an error where it cannot), "off".
+    cuda_graph: Literal["auto", "on", "off"] | bool = "auto"
 
     def __post_init__(self) -> None:
         check(1 <= self.levels <= 32, "levels", "must be in 1..32", self.levels)
@@ -51,6 +55,8 @@ class NerfParams:
             self.fused_render = "on" if self.fused_render else "off"
         if isinstance(self.use_kernels, bool):
             self.use_kernels = "on" if self.use_kernels else "off"
+        if isinstance(self.cuda_graph, bool):
+            self.cuda_graph = "on" if self.cuda_graph else "off"
 
 
 @dataclass

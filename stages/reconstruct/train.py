@@ -312,10 +312,8 @@ def train(
         loss_acc = samples_acc = None
         for m in range(M):
             o, d, rgb = samplers[m].sample(micro_rays)
-            loss, info = method.loss(o, d, rgb, rng.shards[m])
-            if m == M - 1:
-                reducer.arm()  # gradient buckets start their all-reduce as backward completes them
-            loss.backward()
+            # on the last micro-batch, gradient buckets start their all-reduce as backward completes them
+            info = method.forward_backward(o, d, rgb, rng.shards[m], reducer.arm if m == M - 1 else None)
             mse = info["mse"].float().reshape(())
             ns = torch.as_tensor(info["num_samples"], device=mse.device).float().reshape(())
             loss_acc = mse if loss_acc is None else loss_acc + mse

@@ -88,6 +88,7 @@ def _sh_matrix() -> torch.Tensor:
 
 
 _SH_MATRIX = _sh_matrix()
+_SH_MATRIX_ON: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # no copy to the GPU per call
 
 
 def sh_encode_deg4(d: torch.Tensor) -> torch.Tensor:
@@ -101,7 +102,11 @@ def sh_encode_deg4(d: torch.Tensor) -> torch.Tensor:
     m = torch.cat([torch.ones_like(d[:, :1]), d], dim=-1)  # [N, 4]
     p2 = (m[:, :, None] * m[:, None, :]).reshape(-1, 16)
     p3 = (p2[:, :, None] * m[:, None, :]).reshape(-1, 64)
-    return p3 @ _SH_MATRIX.to(device=d.device, dtype=d.dtype)
+    key = (d.device, d.dtype)
+    mat = _SH_MATRIX_ON.get(key)
+    if mat is None:
+        mat = _SH_MATRIX_ON[key] = _SH_MATRIX.to(device=d.device, dtype=d.dtype)
+    return p3 @ mat
 
 
 class NerfField(nn.Module):

@@ -1,8 +1,9 @@
 """The hash-grid NeRF as a trainable method: model, optimizer, one training step, rendering.
 
 The training loop (``stages/reconstruct/train.py``) only sees this interface, so a
-second method (3D Gaussian Splatting) slots in beside it with the same five members:
-``train_step``, ``render_image``, ``state_dict``, ``load_state_dict``, ``num_params``.
+second method (3D Gaussian Splatting) slots in beside it with the same members:
+``parameters``, ``optimizer``, ``step_pre_forward``, ``forward_backward``, ``optimizer_step``,
+``render_image``, ``state_dict``, ``load_state_dict``, ``num_params``.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from ..config import NerfParams, ReconstructParams
 from ..data import image_rays
 from .field import NerfField
 from .occupancy import OccupancyGrid
-from .render import render_rays
+from .render import render_packed, render_rays
 
 
 def resolve_use_kernels(setting: str, device: torch.device) -> bool:
@@ -45,6 +46,7 @@ class NerfMethod:
         self.device = device
         self.use_kernels = resolve_use_kernels(cfg.use_kernels, device)
         self.fused = cfg.fused_render == "on" or (cfg.fused_render == "auto" and self.use_kernels)
+        self.graphed = self._captured_step(cfg.cuda_graph, params.distributed.overlap_comm)
         self.field = NerfField(cfg, aabb, use_kernels=self.use_kernels).to(device)
         if background is not None:  # images composited on a known colour: render onto exactly that
             self.field.fixed_background.copy_(torch.tensor(background, dtype=torch.float32))
@@ -73,6 +75,27 @@ class NerfMethod:
 
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
 
+    def _captured_step(self, setting: str, overlap_comm: bool):
+        """The CUDA-graph training step (nerf/graph.py), or None for eager steps."""
+        if setting == "off":
+            return None
+        why = ("the packed renderer does not run CUDA kernels here (fused_render and use_kernels)"
+               if not (self.fused and self.use_kernels) else
+               "distributed.overlap_comm starts all-reduces from backward hooks, which a replayed graph skips"
+               if overlap_comm else None)
+        if why is not None:
+            if setting == "on":
+                raise ValueError(f"reconstruct.nerf.cuda_graph is 'on' but {why}")
+            return None
+        from .graph import CapturedStep
+
+        return CapturedStep(self)
+
+    def _jitter(self, rays: int, generator: torch.Generator | None) -> torch.Tensor:
+        """Stratified sample offsets in [0, 1), one per ray (as render_rays draws them)."""
+        return torch.rand((rays,), generator=generator,
+                          device=generator.device if generator else "cpu").to(self.device)
+
     @property
     def num_params(self) -> int:
         return sum(p.numel() for p in self.field.parameters())
@@ -96,6 +119,28 @@ class NerfMethod:
         )
         mse = torch.nn.functional.mse_loss(out["rgb"], rgb)
         return mse, {"mse": mse.detach(), "num_samples": out["num_samples"]}
+
+    def forward_backward(self, o, d, rgb, generator: torch.Generator, before_backward=None) -> dict:
+        """One micro-batch: the loss's gradients are added to the parameters' ``.grad``; returns
+        ``mse`` and ``num_samples`` (device tensors). ``before_backward`` is called between the
+        forward and the backward of an eager step (a replayed graph step has no such point)."""
+        if self.graphed is not None:
+            jitter = self._jitter(o.shape[0], generator)
+            got = self.graphed(o, d, rgb, jitter)
+            if got is not None:
+                return {"mse": got[0], "num_samples": got[1]}
+            # no sample count yet to size the graph's budget: this step runs eagerly and gives one
+            out = render_packed(self.field, self.grid, o, d, jitter, self.step_size, self.cfg.samples_per_ray,
+                                self.cfg.near)
+            self.graphed.observe(out["num_samples"])
+            loss = torch.nn.functional.mse_loss(out["rgb"], rgb)
+            info = {"mse": loss.detach(), "num_samples": torch.tensor(out["num_samples"])}
+        else:
+            loss, info = self.loss(o, d, rgb, generator)
+        if before_backward is not None:
+            before_backward()
+        loss.backward()
+        return info
 
     def optimizer_step(self) -> None:
         self.optimizer.step()

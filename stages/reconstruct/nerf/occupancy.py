@@ -62,5 +62,5 @@ class OccupancyGrid(nn.Module):
         # Opacity of one march step; a cell is kept if it could stop light.
         alpha = 1.0 - torch.exp(-self.density * step_size)
         thresh = min(self.threshold, float(alpha.mean()))
-        self.mask = alpha > thresh
+        self.mask.copy_(alpha > thresh)  # in place: a captured training step holds its address
         return float(self.mask.float().mean())

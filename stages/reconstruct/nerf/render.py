@@ -84,9 +84,22 @@ def _render_packed(field, grid, o, d, step_size, max_samples, near, perturb, gen
         jitter = torch.rand((R,), generator=generator, device=generator.device if generator else "cpu").to(o.device)
     else:
         jitter = torch.full((R,), 0.5, device=o.device)
+    out = render_packed(field, grid, o, d, jitter, step_size, max_samples, near)
+    out["num_samples"] = torch.tensor(out["num_samples"])
+    return out
+
+
+def render_packed(field: NerfField, grid: OccupancyGrid | None, o: torch.Tensor, d: torch.Tensor,
+                  jitter: torch.Tensor, step_size: float, max_samples: int, near: float = 0.0,
+                  capacity: int | None = None) -> dict[str, torch.Tensor]:
+    """The packed-sample renderer of :func:`render_rays` (``fused=True``) with the sample jitter [R]
+    given. ``capacity``: a fixed sample budget (see :func:`kernels.march_rays`): no host sync and
+    the same shapes every call (what a CUDA graph needs); ``num_samples`` is then a 0-d device
+    tensor (the samples evaluated) and ``total_samples`` the count before the budget's cut."""
     use = field.encoding.use_kernels  # the method's resolved choice: kernels here, or the references
     s = kernels.march_rays(o.float().contiguous(), d.float().contiguous(), jitter, field.aabb,
-                           None if grid is None else grid.mask, step_size, max_samples, near, use_kernels=use)
+                           None if grid is None else grid.mask, step_size, max_samples, near,
+                           capacity=capacity, use_kernels=use)
     if s.t.numel() > 0:
         sigma, rgb = field(s.points, d_enc=sh_encode_deg4(d)[s.ray_index])
     else:
@@ -94,4 +107,10 @@ def _render_packed(field, grid, o, d, step_size, max_samples, near, perturb, gen
     color, opacity, depth = kernels.composite(sigma.float(), rgb.float(), s.t, s.offsets, s.counts, step_size,
                                               use_kernels=use)
     color = color + (1.0 - opacity)[:, None] * field.background_rgb()
-    return {"rgb": color, "opacity": opacity, "depth": depth, "num_samples": torch.tensor(s.t.numel())}
+    out = {"rgb": color, "opacity": opacity, "depth": depth}
+    if capacity is None:
+        out["num_samples"] = s.t.numel()
+    else:
+        out["num_samples"] = torch.clamp(s.total, max=capacity)
+        out["total_samples"] = s.total
+    return out

@@ -1,0 +1,175 @@
+"""The NeRF's training forward and backward, captured once in a CUDA graph and replayed every step.
+
+Why: at NeRF batch sizes a training step is bound by the host, not the GPU. With the packed
+renderer a step is still ~110 kernel launches (hash encoding, MLPs, compositing and their
+backward), each costing 20-30 us of Python, dispatcher and driver time, against a few ms of GPU
+work on an H200 (``RAYFORGE_PROFILE``: the GPU was busy 18 % of a step). A replayed graph issues
+all of them in one call, and the host is free to prepare the next step while the GPU runs.
+
+What a graph needs, and how it gets it here:
+
+- Fixed addresses: the step's rays, colours and sample jitter are copied into static buffers;
+  parameters, the occupancy grid and the gradients are updated in place, never replaced (the
+  gradients the graph accumulates into are kept here and re-bound after the optimizer drops them,
+  or are the all-reduce bucket views that ``GradReducer.attach`` re-binds itself).
+- Fixed shapes: how many samples survive the occupancy grid changes every step, so the packed
+  samples get a fixed budget (``kernels.march_rays(capacity=...)``) as instant-ngp's fixed sample
+  budget; rows past the last sample are zeros that no ray composites.
+- No host syncs: the uncut sample count of each step is copied to pinned host memory
+  asynchronously and read a step or two later. When it exceeded the budget, that step dropped its
+  last samples (ray order is random, so random rays were cut short; counted in
+  :attr:`CapturedStep.overflow_steps`) and the step is captured again with a budget 25 % above the
+  count; when the count has fallen below half the budget, it is captured again smaller.
+
+Capturing costs three eager steps (two warm-ups and the capture); a 1000-step run captures a
+handful of times while the occupancy grid is pruning the first few hundred steps.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import torch
+import torch.nn.functional as F
+
+from .render import render_packed
+
+log = logging.getLogger(__name__)
+
+HEADROOM = 1.25  # budget = HEADROOM x the observed sample count, rounded up to QUANTUM
+QUANTUM = 1 << 14
+SHRINK_BELOW = 0.5  # capture again, smaller, when the count falls under this fraction of the budget
+MAX_AHEAD = 2  # steps the host may run ahead of the GPU before it waits for a count
+
+
+def budget_for(count: int) -> int:
+    """Sample budget for an observed count: HEADROOM above it, a multiple of QUANTUM."""
+    return max(QUANTUM, -(-int(count * HEADROOM) // QUANTUM) * QUANTUM)
+
+
+class CapturedStep:
+    """Forward + backward of one NeRF training micro-batch as a replayed CUDA graph.
+
+    Args:
+        method: the :class:`~stages.reconstruct.nerf.method.NerfMethod` (its field, grid, step
+            size and march settings are what the graph renders with).
+
+    Call it with a micro-batch's rays ``o``, ``d`` [R, 3], target ``rgb`` [R, 3] and sample
+    ``jitter`` [R]: the gradients of the mean squared error are *added* to the parameters' ``.grad``
+    (as ``loss.backward()`` would) and ``(mse, num_samples)`` come back as 0-d device tensors. It
+    returns None while it has no sample count to size the budget from; the caller then runs the
+    step eagerly and reports the count with :meth:`observe`.
+    """
+
+    def __init__(self, method):
+        self.method = method
+        self.device = method.device
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.capacity = 0
+        self.rays = 0
+        self.captures = 0
+        self.overflow_steps = 0
+        self.max_count = 0
+        self._static: dict[str, torch.Tensor] = {}
+        self._out: tuple[torch.Tensor, ...] | None = None
+        self._grads: list[torch.Tensor] | None = None
+        self._need: int | None = None  # the latest sample count seen on the host
+        self._pending: deque = deque()  # (event, pinned count, budget it ran with)
+
+    # ------------------------------------------------------------------ the captured body
+    def _body(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        m, st = self.method, self._static
+        out = render_packed(m.field, m.grid, st["o"], st["d"], st["jitter"], m.step_size, m.cfg.samples_per_ray,
+                            m.cfg.near, capacity=self.capacity)
+        mse = F.mse_loss(out["rgb"], st["rgb"])
+        mse.backward()
+        return mse.detach(), out["num_samples"], out["total_samples"]
+
+    # ------------------------------------------------------------------ gradients
+    def _bind_grads(self) -> None:
+        """Point every parameter's ``.grad`` at the tensors the graph adds into (zeroed when the
+        optimizer had dropped it, i.e. at the start of a step)."""
+        params = self.method.parameters()
+        if self._grads is None:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self._grads = [p.grad for p in params]
+            return
+        fresh = []
+        for p, g in zip(params, self._grads):
+            if p.grad is None:
+                p.grad = g
+                fresh.append(g)
+            elif p.grad.data_ptr() != g.data_ptr():  # replaced since the capture: carry it over
+                g.copy_(p.grad)
+                p.grad = g
+        if fresh:
+            torch._foreach_zero_(fresh)
+
+    # ------------------------------------------------------------------ sample counts
+    def observe(self, count: int) -> None:
+        """The sample count of a step run eagerly (sizes the next budget)."""
+        self._need = int(count)
+        self.max_count = max(self.max_count, self._need)
+
+    def _collect(self) -> None:
+        """Read the counts of finished steps; wait for the oldest when the host is too far ahead."""
+        while self._pending:
+            event, host, budget = self._pending[0]
+            if len(self._pending) > MAX_AHEAD:
+                event.synchronize()
+            elif not event.query():
+                break
+            self._pending.popleft()
+            count = int(host)
+            if count > budget:
+                self.overflow_steps += 1
+            self.observe(count)
+
+    # ------------------------------------------------------------------ capture and replay
+    def _capture(self, capacity: int) -> None:
+        self.graph, self._out = None, None  # frees the old graph's memory pool
+        self.capacity = capacity
+        self._bind_grads()
+        saved = [g.clone() for g in self._grads]  # the warm-ups add into the gradients: put them back
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # first calls allocate workspaces and load kernels: not in the graph
+            for _ in range(2):
+                self._body()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._body()
+        torch._foreach_copy_(self._grads, saved)
+        self.graph, self._out = graph, out
+        self.captures += 1
+        log.debug("captured the training step: %d rays, budget %d samples (capture %d)", self.rays, capacity,
+                  self.captures)
+
+    def __call__(self, o: torch.Tensor, d: torch.Tensor, rgb: torch.Tensor, jitter: torch.Tensor):
+        R = o.shape[0]
+        if R != self.rays:  # a new batch size: new buffers, new graph
+            self.graph, self._out, self.rays = None, None, R
+            self._static = {"o": torch.zeros(R, 3, device=self.device), "d": torch.zeros(R, 3, device=self.device),
+                            "rgb": torch.zeros(R, 3, device=self.device),
+                            "jitter": torch.zeros(R, device=self.device)}
+        self._collect()
+        if self._need is None:
+            return None
+        st = self._static
+        for k, v in (("o", o), ("d", d), ("rgb", rgb), ("jitter", jitter)):
+            st[k].copy_(v)
+        want = budget_for(self._need)
+        if self.graph is None or self._need > self.capacity or self._need < SHRINK_BELOW * self.capacity:
+            self._capture(want)
+        self._bind_grads()
+        self.graph.replay()
+        mse, num, total = self._out
+        host = torch.empty((), dtype=torch.int64, pin_memory=True)
+        host.copy_(total, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((event, host, self.capacity))
+        return mse.clone(), num.clone()

@@ -1,0 +1,186 @@
+"""The CUDA-graph training step (stages/reconstruct/nerf/graph.py) and what it rests on: a fixed
+sample budget in the marching (kernels.march_rays(capacity=...)) and state updated in place.
+CPU tests use the PyTorch references; the graph itself runs on a GPU (marked ``gpu``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from stages.reconstruct.config import NerfParams, ReconstructParams
+from stages.reconstruct.nerf.graph import QUANTUM, budget_for
+from stages.reconstruct.nerf.method import NerfMethod
+from stages.reconstruct.nerf.occupancy import OccupancyGrid
+
+from conftest import requires_gpu
+
+AABB = [[-1.0, -1.0, -1.0], [1.0, 1.0, 1.0]]
+
+
+def _rays(n: int, seed: int, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    o = torch.randn(n, 3, generator=g) * 0.3 + torch.tensor([0.0, 0.0, -2.5])
+    d = torch.nn.functional.normalize(torch.tensor([0.0, 0.0, 1.0]) + torch.randn(n, 3, generator=g) * 0.3, dim=-1)
+    return o.to(device), d.to(device)
+
+
+def _march(n, capacity, device="cpu", use_kernels=False, seed=0):
+    o, d = _rays(n, seed, device)
+    jitter = torch.rand(n, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    occ = (torch.rand(16**3, generator=torch.Generator().manual_seed(seed + 2)) < 0.5).to(device)
+    return kernels.march_rays(o, d, jitter, torch.tensor(AABB, device=device), occ, 0.01, 512, 0.05,
+                              capacity=capacity, use_kernels=use_kernels)
+
+
+def test_capacity_cuts_samples_in_ray_order_and_pads_with_zeros():
+    full = _march(200, None)
+    n = full.t.numel()
+    assert int(full.total) == n > 1000
+    # a budget larger than needed: the same samples, then zero rows that belong to no ray
+    big = _march(200, n + 500)
+    assert big.t.shape == (n + 500,) and big.points.shape == (n + 500, 3) and int(big.total) == n
+    assert torch.equal(big.counts, full.counts) and torch.equal(big.offsets, full.offsets)
+    assert torch.equal(big.t[:n], full.t) and torch.equal(big.points[:n], full.points)
+    assert not big.t[n:].any() and not big.points[n:].any() and not big.ray_index[n:].any()
+    # a budget that is too small: the first `cut` samples survive, counts say exactly which
+    cut = n // 2
+    small = _march(200, cut)
+    assert small.t.shape == (cut,) and int(small.total) == n
+    assert int(small.counts.sum()) == cut
+    assert torch.equal(small.t, full.t[:cut]) and torch.equal(small.ray_index, full.ray_index[:cut])
+    straddle = int(full.ray_index[cut])  # the ray that was cut short, later ones got nothing
+    assert 0 <= int(small.counts[straddle]) < int(full.counts[straddle])
+    assert not small.counts[straddle + 1:].any()
+    assert torch.equal(small.counts[:straddle], full.counts[:straddle])
+
+
+def test_padded_samples_composite_like_the_exact_ones():
+    full = _march(100, None)
+    big = _march(100, full.t.numel() + 77)
+    g = torch.Generator().manual_seed(3)
+    sigma = torch.rand(big.t.numel(), generator=g) * 30
+    rgb = torch.rand(big.t.numel(), 3, generator=g)
+    n = full.t.numel()
+    a = kernels.composite(sigma, rgb, big.t, big.offsets, big.counts, 0.01)
+    b = kernels.composite(sigma[:n], rgb[:n], full.t, full.offsets, full.counts, 0.01)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_bad_capacity_is_named():
+    with pytest.raises(ValueError, match="capacity must be a positive int or None, got 0"):
+        _march(4, 0)
+
+
+def test_budget_has_headroom_and_is_quantised():
+    assert budget_for(0) == QUANTUM
+    b = budget_for(100_000)
+    assert b % QUANTUM == 0 and 125_000 <= b < 125_000 + QUANTUM
+
+
+def test_occupancy_update_keeps_the_mask_tensor():
+    grid = OccupancyGrid(torch.tensor(AABB), resolution=8)
+    ptr = grid.mask.data_ptr()
+    grid.update(lambda x: (x[:, 0] > 0).float() * 100.0, 0.01, generator=torch.Generator().manual_seed(0))
+    assert grid.mask.data_ptr() == ptr  # a captured step reads the grid at this address
+    assert 0.0 < float(grid.mask.float().mean()) < 1.0
+
+
+def test_cuda_graph_on_where_it_cannot_run_is_an_error():
+    p = ReconstructParams(nerf=NerfParams(cuda_graph="on", fused_render="on"))
+    with pytest.raises(ValueError, match="cuda_graph is 'on' but the packed renderer does not run CUDA kernels"):
+        NerfMethod(p, torch.tensor(AABB), torch.device("cpu"))
+    assert NerfMethod(ReconstructParams(), torch.tensor(AABB), torch.device("cpu")).graphed is None  # auto
+
+
+# ---------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("extra", [-3000, 0, 5000])
+def test_march_kernel_with_a_budget_matches_the_reference(extra):
+    n = _march(5000, None, "cuda", use_kernels=False, seed=4).t.numel()
+    got = _march(5000, n + extra, "cuda", use_kernels=True, seed=4)
+    want = _march(5000, n + extra, "cuda", use_kernels=False, seed=4)
+    for name in ("counts", "offsets", "ray_index", "t", "points", "total"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def _method(cuda_graph: str, seed: int = 0) -> NerfMethod:
+    torch.manual_seed(seed)
+    nerf = NerfParams(levels=8, log2_hashmap_size=14, max_resolution=128, hidden_dim=32, samples_per_ray=128,
+                      occ_resolution=16, fused_render="on", cuda_graph=cuda_graph)
+    return NerfMethod(ReconstructParams(nerf=nerf, steps=100), torch.tensor(AABB), torch.device("cuda"))
+
+
+def _batch(step: int, rays: int = 2048):
+    o, d = _rays(rays, step, "cuda")
+    return o, d, (d + 1) / 2  # a colour the view-dependent head can learn
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_graph_step_gives_the_eager_gradients_and_trains_alike():
+    """Same rays, same jitter draws: the replayed graph adds the eager step's gradients (up to the
+    float sums of a different row count in the MLP's GEMMs) and 30 steps of training follow."""
+    runs = {}
+    for mode in ("off", "on"):
+        m = _method(mode)
+        gen = torch.Generator(device="cuda").manual_seed(7)
+        losses, first_grads = [], None
+        for step in range(30):
+            m.step_pre_forward(step, gen)
+            info = m.forward_backward(*_batch(step), gen)
+            losses.append(float(info["mse"]))
+            if step == 1:  # step 0 ran eagerly in both modes (same parameters); step 1 is the first replay
+                first_grads = [p.grad.clone() for p in m.parameters()]
+            m.optimizer_step()
+        runs[mode] = (losses, first_grads, m)
+    (l_off, g_off, _), (l_on, g_on, m_on) = runs["off"], runs["on"]
+    assert m_on.graphed is not None and m_on.graphed.captures >= 1 and m_on.graphed.overflow_steps == 0
+    for a, b in zip(g_on, g_off):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6 * max(1.0, float(b.abs().max())))
+    assert abs(l_on[-1] - l_off[-1]) < 0.02 * l_off[-1] + 1e-4, (l_on[-5:], l_off[-5:])
+    assert l_on[-1] < l_on[0]
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_graph_budget_grows_after_an_overflow():
+    m = _method("on")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    m.forward_backward(*_batch(0), gen)  # eager: observes the count
+    m.graphed.observe(1000)  # pretend the last count was tiny: the next capture gets a budget far too small
+    m.forward_backward(*_batch(1), gen)
+    small = m.graphed.capacity
+    assert small == budget_for(1000)
+    for step in range(2, 8):
+        m.optimizer_step()
+        m.forward_backward(*_batch(step), gen)
+    torch.cuda.synchronize()
+    m.forward_backward(*_batch(9), gen)
+    assert m.graphed.overflow_steps >= 1 and m.graphed.capacity > small
+    assert m.graphed.capacity >= m.graphed.max_count
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_graph_step_accumulates_micro_batches_and_rebinds_after_the_optimizer():
+    m = _method("on")
+    m.forward_backward(*_batch(0), torch.Generator(device="cuda").manual_seed(2))  # eager: the count
+    grads = []
+    for clear in (True, True, False):
+        if clear:  # what optimizer_step's zero_grad(set_to_none=True) leaves
+            for p in m.parameters():
+                p.grad = None
+        m.forward_backward(*_batch(1), torch.Generator(device="cuda").manual_seed(3))  # same rays and jitter
+        grads.append([p.grad.clone() for p in m.parameters()])
+    assert m.graphed.captures == 1
+    assert sum(float(g.norm()) for g in grads[0]) > 0
+    # dropped gradients are re-bound and zeroed before the replay; kept ones are added to
+    # (hash-table sums use atomics: equal up to their summation order)
+    for a, b, c in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(c, 2 * a, rtol=1e-4, atol=1e-7)
