@@ -36,12 +36,14 @@ timeout 120 python3 -m pytest tests/test_hashgrid.py tests/test_kernels_runtime.
 fi
 
 if want render; then
-echo "== 1b. packed renderer: kernels vs references, then vs the dense renderer, then a 1-GPU training run with it"
-timeout 120 python3 -m pytest tests/test_render_kernels.py -q -p no:cacheprovider -x 2>&1 | tail -3
+echo "== 1b. packed renderer and CUDA-graph step: kernels vs references, graph vs eager, then 1-GPU training: dense / packed / packed in a graph"
+timeout 200 python3 -m pytest tests/test_render_kernels.py tests/test_cuda_graph.py -m gpu -q -p no:cacheprovider 2>&1 | tail -3
 timeout 120 python3 benchmarks/bench_render.py --json "$OUT/render.json" 2>&1 | tail -6
-for fused in off on; do
-  timeout 150 python3 benchmarks/bench_scaling.py --poses "default=$POSES" --gpus 1 --total-rays 16384000 \
-    --set nerf.fused_render=$fused --json "$OUT/fused_$fused.json" 2>&1 | grep -E "^\|  |Error|Traceback" | tail -2
+for mode in "off off" "on off" "on on"; do
+  set -- $mode
+  timeout 150 python3 benchmarks/bench_scaling.py --poses "default=$POSES" --gpus 1 --total-rays 8192000 --no-eval \
+    --set nerf.fused_render=$1 --set nerf.cuda_graph=$2 --json "$OUT/render_$1_graph_$2.json" 2>&1 \
+    | grep -E "^\|    1|Error|Traceback" | tail -1
 done
 fi
 

@@ -75,7 +75,7 @@ def test_bad_capacity_is_named():
 def test_budget_has_headroom_and_is_quantised():
     assert budget_for(0) == QUANTUM
     b = budget_for(100_000)
-    assert b % QUANTUM == 0 and 125_000 <= b < 125_000 + QUANTUM
+    assert b % QUANTUM == 0 and 130_000 <= b < 130_000 + QUANTUM
 
 
 def test_occupancy_update_keeps_the_mask_tensor():
