@@ -13,15 +13,7 @@ from stages.reconstruct.nerf.method import NerfMethod
 from stages.reconstruct.nerf.occupancy import OccupancyGrid
 
 from conftest import requires_gpu
-
-AABB = [[-1.0, -1.0, -1.0], [1.0, 1.0, 1.0]]
-
-
-def _rays(n: int, seed: int, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    o = torch.randn(n, 3, generator=g) * 0.3 + torch.tensor([0.0, 0.0, -2.5])
-    d = torch.nn.functional.normalize(torch.tensor([0.0, 0.0, 1.0]) + torch.randn(n, 3, generator=g) * 0.3, dim=-1)
-    return o.to(device), d.to(device)
+from test_render_kernels import AABB, _rays
 
 
 def _march(n, capacity, device="cpu", use_kernels=False, seed=0):
