@@ -70,6 +70,47 @@ def test_budget_has_headroom_and_is_quantised():
     assert b % QUANTUM == 0 and 130_000 <= b < 130_000 + QUANTUM
 
 
+class _CaptureFails:
+    """A CapturedStep whose capture fails as an uncapturable op makes it fail (capturing itself
+    needs a GPU; what is tested here is what the step does about it)."""
+
+    @staticmethod
+    def make(required: bool):
+        from types import SimpleNamespace
+
+        from stages.reconstruct.nerf.graph import CapturedStep
+
+        class Failing(CapturedStep):
+            attempts = 0
+
+            def _capture(self, capacity):
+                self.attempts += 1
+                raise RuntimeError("operation not permitted when stream is capturing")
+
+        return Failing(SimpleNamespace(device=torch.device("cpu")), required=required)
+
+
+def test_a_failed_capture_falls_back_to_eager_steps_under_auto(caplog):
+    step = _CaptureFails.make(required=False)
+    o, d = _rays(8, 0)
+    assert step(o, d, o, torch.rand(8)) is None and step.attempts == 0  # no count yet: eager
+    step.observe(5000)
+    with caplog.at_level("WARNING"):
+        assert step(o, d, o, torch.rand(8)) is None
+    assert step.attempts == 1 and "not permitted when stream is capturing" in step.failed
+    assert "training continues with eager steps" in caplog.text
+    step.observe(5000)
+    assert step(o, d, o, torch.rand(8)) is None and step.attempts == 1  # not tried again
+
+
+def test_a_failed_capture_is_an_error_under_on():
+    step = _CaptureFails.make(required=True)
+    o, d = _rays(8, 0)
+    step.observe(5000)
+    with pytest.raises(RuntimeError, match="cuda_graph is 'on' but capturing the training step failed"):
+        step(o, d, o, torch.rand(8))
+
+
 def test_occupancy_update_keeps_the_mask_tensor():
     grid = OccupancyGrid(torch.tensor(AABB), resolution=8)
     ptr = grid.mask.data_ptr()

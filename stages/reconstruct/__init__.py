@@ -44,7 +44,7 @@ def _graph_summary(method) -> dict | None:
     if g is None:
         return None
     return {"captures": g.captures, "budget_samples": g.capacity, "max_samples_seen": g.max_count,
-            "overflow_steps": g.overflow_steps, "events": [list(e) for e in g.events]}
+            "overflow_steps": g.overflow_steps, "failed": g.failed, "events": [list(e) for e in g.events]}
 
 
 def pick_device(setting: str) -> torch.device:

@@ -62,11 +62,16 @@ class CapturedStep:
     (as ``loss.backward()`` would) and ``(mse, num_samples)`` come back as 0-d device tensors. It
     returns None while it has no sample count to size the budget from; the caller then runs the
     step eagerly and reports the count with :meth:`observe`.
+
+    ``required``: a failed capture raises (``cuda_graph: on``); otherwise (``auto``) it is logged
+    once, :attr:`failed` holds the reason, and every later call returns None (eager steps).
     """
 
-    def __init__(self, method):
+    def __init__(self, method, required: bool = False):
         self.method = method
         self.device = method.device
+        self.required = required
+        self.failed: str | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.capacity = 0
         self.rays = 0
@@ -78,6 +83,7 @@ class CapturedStep:
         self._static: dict[str, torch.Tensor] = {}
         self._out: tuple[torch.Tensor, ...] | None = None
         self._grads: list[torch.Tensor] | None = None
+        self._saved: list[torch.Tensor] | None = None  # the gradients while a capture is under way
         self._need: int | None = None  # the latest sample count seen on the host
         self._pending: deque = deque()  # (event, pinned count, budget it ran with)
 
@@ -138,12 +144,20 @@ class CapturedStep:
         if len(self.events) < 40:
             self.events.append((kind, self.replays, count, budget))
 
+    def _give_up(self, reason: str) -> None:
+        """Eager steps from now on: drop the graph, put back the gradients as they were."""
+        if self._saved is not None:
+            torch._foreach_copy_(self._grads, self._saved)
+        self.graph, self._out, self._saved, self.failed = None, None, None, reason
+        log.warning("the training step could not be captured in a CUDA graph; training continues with eager "
+                    "steps (reconstruct.nerf.cuda_graph: off silences this): %s", reason)
+
     # ------------------------------------------------------------------ capture and replay
     def _capture(self, capacity: int) -> None:
         self.graph, self._out = None, None  # frees the old graph's memory pool
         self.capacity = capacity
         self._bind_grads()
-        saved = [g.clone() for g in self._grads]  # the warm-ups add into the gradients: put them back
+        self._saved = [g.clone() for g in self._grads]  # the warm-ups add into the gradients: put them back
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # first calls allocate workspaces and load kernels: not in the graph
@@ -153,8 +167,8 @@ class CapturedStep:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = self._body()
-        torch._foreach_copy_(self._grads, saved)
-        self.graph, self._out = graph, out
+        torch._foreach_copy_(self._grads, self._saved)
+        self.graph, self._out, self._saved = graph, out, None
         self.captures += 1
         self._note("capture", self._need, capacity)
         log.debug("captured the training step: %d rays, budget %d samples (capture %d)", self.rays, capacity,
@@ -167,6 +181,8 @@ class CapturedStep:
             self._static = {"o": torch.zeros(R, 3, device=self.device), "d": torch.zeros(R, 3, device=self.device),
                             "rgb": torch.zeros(R, 3, device=self.device),
                             "jitter": torch.zeros(R, device=self.device)}
+        if self.failed is not None:
+            return None
         self._collect()
         if self._need is None:
             return None
@@ -175,7 +191,14 @@ class CapturedStep:
             st[k].copy_(v)
         need = self._need
         if self.graph is None or need > GROW_ABOVE * self.capacity or need < SHRINK_BELOW * self.capacity:
-            self._capture(budget_for(need))
+            try:
+                self._capture(budget_for(need))
+            except RuntimeError as exc:  # an op that cannot be captured, out of memory, ...
+                if self.required:
+                    raise RuntimeError(f"reconstruct.nerf.cuda_graph is 'on' but capturing the training step "
+                                       f"failed: {exc}") from exc
+                self._give_up(f"{type(exc).__name__}: {exc}")
+                return None
         self._bind_grads()
         self.graph.replay()
         self.replays += 1

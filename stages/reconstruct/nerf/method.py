@@ -89,7 +89,7 @@ class NerfMethod:
             return None
         from .graph import CapturedStep
 
-        return CapturedStep(self)
+        return CapturedStep(self, required=setting == "on")
 
     def _jitter(self, rays: int, generator: torch.Generator | None) -> torch.Tensor:
         """Stratified sample offsets in [0, 1), one per ray (as render_rays draws them)."""
