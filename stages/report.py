@@ -14,8 +14,8 @@ offline and can be mailed or attached as a CI/Prefect artifact on its own. Conte
 * the protocol (split, resolution, metric definitions) and the per-view scores;
 * for up to ``report.max_views`` test views a row ground truth | render | error heatmap;
 * the orbit animation of the evaluate stage, the training curves of ``train.csv``;
-* with ``--scaling`` (repeatable: e.g. weak and strong scaling), a scaling table over runs at
-  several GPU counts per file (:func:`scaling_rows`);
+* with ``report.scaling`` files (params.yaml) and ``--scaling`` ones (repeatable: e.g. weak and
+  strong scaling), a scaling table over runs at several GPU counts per file (:func:`scaling_rows`);
 * the environment, how to reproduce the run exactly, and every scalar of the metrics files.
 
 The pictures are drawn by ``stages.common.plots``. The last line printed by ``main`` is
@@ -32,7 +32,7 @@ import math
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,9 @@ class ReportParams:
 
     max_views: int = 6  # test views shown as GT | render | error rows
     scene: str = ""  # scene name for the title and the published numbers; "" = from ingest.photos
+    # bench_scaling.py JSON files (measured on GPU hosts, kept in benchmarks/results/) shown as
+    # scaling tables, before any given with --scaling; relative to the params file's folder
+    scaling: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         check(self.max_views >= 1, "max_views", "must be >= 1", self.max_views)
@@ -160,8 +163,10 @@ def read_scaling(path: str | Path) -> dict:
         rows = scaling_rows(doc["runs"])
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
+    gpus = sorted({str(r["gpu_name"]) for r in doc["runs"] if isinstance(r, dict) and r.get("gpu_name")})
     return {"scene": doc.get("scene"), "method": doc.get("method"), "rows": rows, "mode": doc.get("mode"),
-            "batch_rays_per_gpu": doc.get("batch_rays_per_gpu"), "global_batch_rays": doc.get("global_batch_rays")}
+            "batch_rays_per_gpu": doc.get("batch_rays_per_gpu"), "global_batch_rays": doc.get("global_batch_rays"),
+            "source": path.as_posix(), "gpu_names": gpus}
 
 
 # ---------------------------------------------------------------- published numbers
@@ -694,6 +699,9 @@ def _scaling_section(doc: Doc, sc: dict, scene: str, method: str, titled: bool =
                  "take 1/N of the steps with an N-times larger global batch.")
     if sc.get("scene") and str(sc["scene"]).lower() != scene.lower():
         doc.para(f"Note: the scaling runs are of scene '{sc['scene']}', this report of '{scene}'.", em=True)
+    if sc.get("source"):
+        on = f" on {', '.join(sc['gpu_names'])} GPUs" if sc.get("gpu_names") else ""
+        doc.para(f"Measured{on} by benchmarks/bench_scaling.py: {sc['source']}.")
     rows = [[fmt(r["gpus"]), "n/a" if r.get("wall_s") is None else fmt(float(r["wall_s"]), 1),
              "n/a" if r.get("rays_per_s") is None else f"{r['rays_per_s']:,.0f}",
              "n/a" if r.get("samples_per_s") is None else f"{r['samples_per_s']:,.0f}", f"{r['speedup']:.2f}x",
@@ -772,7 +780,8 @@ def main(argv: list[str] | None = None) -> int:
         out = run(params, args.evaluate, args.metrics_dir, args.plots, args.poses, args.out,
                   scene=_scene_name(photos),
                   test_every=test_every if isinstance(test_every, int) and test_every > 0 else None,
-                  scaling=args.scaling, photos=photos if isinstance(photos, str) else None)
+                  scaling=[args.params.parent / f for f in params.scaling] + list(args.scaling or []),
+                  photos=photos if isinstance(photos, str) else None)
     except ValueError as exc:
         print(f"report: error: {exc}", file=sys.stderr)
         return 1

@@ -285,6 +285,21 @@ def test_scaling_table_from_the_command_line(pipeline, capsys):
     assert md.count("## Scaling") == 1 and "### unit, nerf, strong (16384 rays per step)" in md
     assert "same steps with the same global batch (16384 rays per step" in md
     assert "| 2 | 6.0 | 2,700,000 | n/a | 1.69x | 84% | 20.00 | +0.00 |" in md
+    # files named in params.yaml (report.scaling) come first, with where and on what they were measured
+    strong_doc = json.loads(strong.read_text())
+    for r in strong_doc["runs"]:
+        r["gpu_name"] = "NVIDIA H200"
+    strong.write_text(json.dumps(strong_doc))
+    params.write_text(f"report:\n  max_views: 1\n  scene: unit\n  scaling: [{strong}]\n")
+    assert report.main(_args(root) + ["--params", str(params), "--scaling", str(scaling)]) == 0
+    md = (root / "report" / "report.md").read_text()
+    assert md.index("### unit, nerf, strong") < md.index("### unit, nerf, scaling")
+    assert f"Measured on NVIDIA H200 GPUs by benchmarks/bench_scaling.py: {strong.as_posix()}." in md
+    params.write_text(f"report:\n  max_views: 1\n  scene: unit\n  scaling: [{root / 'gone.json'}]\n")
+    assert report.main(_args(root) + ["--params", str(params)]) == 1
+    err = capsys.readouterr().err
+    assert "scaling file not found" in err and "gone.json" in err
+    params.write_text("report:\n  max_views: 1\n  scene: unit\n")
     # a bad file: a clear error naming it, exit code 1
     scaling.write_text(json.dumps({"runs": [{"gpus": 1}]}))
     assert report.main(_args(root) + ["--params", str(params), "--scaling", str(scaling)]) == 1
