@@ -71,9 +71,10 @@ def ran_stages(output: str) -> list[str]:
 
 
 def copy_pipeline(repo: Path, params: dict, message: str) -> Path:
-    """This project's pipeline (stages, kernels, dvc.yaml, .gitignore) with ``params`` as params.yaml,
-    in a fresh git + DVC repo at ``repo``, committed with ``message``."""
-    for name in ("stages", "kernels"):
+    """This project's pipeline (stages, kernels, dvc.yaml, .gitignore, the measured scaling runs the
+    report shows) with ``params`` as params.yaml, in a fresh git + DVC repo at ``repo``, committed
+    with ``message``."""
+    for name in ("stages", "kernels", "benchmarks/results"):
         shutil.copytree(ROOT / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("dvc.yaml", ".gitignore"):  # the project's own: metrics stay git-tracked for experiments
         shutil.copy(ROOT / name, repo / name)
