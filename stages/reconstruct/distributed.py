@@ -251,9 +251,10 @@ class GradReducer:
     backward accumulates straight into the buffer, the all-reduce runs on it in place
     and one multiply scales it, with no copy in or out; the step's statistics
     (``extras``) ride in the first bucket's tail instead of an all-reduce of their own.
-    Training steps are host-bound at NeRF batch sizes (~220 kernel launches a step),
+    Eager training steps are host-bound at NeRF batch sizes (~220 kernel launches a step),
     so the launches this saves (a cat per bucket, a copy and a multiply per parameter,
-    one all-reduce) are what counts. Without :meth:`attach` (or when a gradient was
+    one all-reduce) counted; with the CUDA-graph step (nerf/graph.py) the bucket views are
+    also the fixed gradient tensors the replayed backward adds into. Without :meth:`attach` (or when a gradient was
     replaced), the buckets are gathered and scattered as before.
 
     A missing gradient (``None``) counts as zeros, so ranks whose rays missed a
