@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything we measure on a lent GPU host, in one go (the device time is scarce: one call).
 # Usage, from the repo root on the GPU host:  bash benchmarks/gpu_suite.sh <poses_dir> <out_dir>
+# (SECTIONS="scaling" LEGO_POSES=<dir> FOX_POSES=<dir> ... for the multi-scene scaling table)
 # <poses_dir> is a poses-stage out (e.g. data/poses of the default scene). Prints tables and
 # writes metrics JSON/CSV into <out_dir>. Needs torch with CUDA; no DVC, pycolmap or open3d.
 set -uo pipefail
@@ -57,13 +58,15 @@ python3 -c "import json; m=json.load(open('$OUT/evaluate_gpu1.json')); print({k:
 fi
 
 if want scaling; then
-echo "== 3. scaling: same per-GPU batch, 1000 steps, 1 vs $NGPU GPUs"
-for n in 1 2; do
-  [ "$n" -le "$NGPU" ] || continue
-  timeout 150 python3 -m stages.reconstruct --poses "$POSES" --out /tmp/s$n --metrics "$OUT/scale$n.json" \
-    --params "$OUT/params_scale$n.yaml" 2>&1 | grep -iE "error|Traceback|wrote|world" | tail -4
-  python3 -c "import json; s=json.load(open('/tmp/s$n/summary.json')); print('GPUs', $n, {k: s.get(k) for k in ('world_size','global_batch_rays','train_time_s','rays_per_s','samples_per_s','step_compute_s','step_comm_s','comm_fraction','final_test_psnr_sampled')})"
-done
+echo "== 3. scaling (the README's table): 1, 2, 4, 8 GPUs as visible, same training rays; JSON for report.scaling"
+# LEGO_POSES / FOX_POSES: more scenes' poses outs (optional)
+scenes="--poses default=$POSES"
+[ -n "${LEGO_POSES:-}" ] && scenes="$scenes --poses lego=$LEGO_POSES"
+[ -n "${FOX_POSES:-}" ] && scenes="$scenes --poses fox=$FOX_POSES"
+timeout 590 python3 benchmarks/bench_scaling.py $scenes --gpus auto --total-rays 40960000 \
+  --json "$OUT/scaling_weak.json" 2>&1 | grep -E "^\||Error|Traceback" | tail -20
+timeout 300 python3 benchmarks/bench_scaling.py --poses "default=$POSES" --gpus auto --total-rays 16384000 \
+  --global-batch-rays 16384 --json "$OUT/scaling_strong.json" 2>&1 | grep -E "^\||Error|Traceback" | tail -8
 fi
 
 if want overhead; then
