@@ -72,3 +72,20 @@ def test_occupancy_culling_drops_exactly_the_samples_in_empty_cells():
         grid.mask.view(8, 8, 8)[:, :, :4] = True
         half = render_rays(field, grid, o, d, step_size=0.05, max_samples=64)
         assert 0 < int(half["num_samples"]) < int(full["num_samples"])
+
+
+def test_occupancy_warmup_records_densities_but_prunes_nothing():
+    """A freshly initialised field has about the same density everywhere, so the threshold
+    min(occ_threshold, mean) would drop a random half of the cells: the warm-up keeps them all."""
+    torch.manual_seed(0)
+    cfg = NerfParams(levels=4, log2_hashmap_size=10, base_resolution=4, max_resolution=32, hidden_dim=16)
+    field = NerfField(cfg, torch.tensor([[-1.0, -1, -1], [1, 1, 1]]), use_kernels=False)  # as initialised
+    grid = OccupancyGrid(field.aabb, resolution=8)
+    with torch.no_grad():
+        # a march step whose opacity at the initial density (~0.47) is under occ_threshold 0.01
+        occupied = grid.update(field.density, 0.01, generator=torch.Generator().manual_seed(0), prune=False)
+        assert occupied == 1.0 and bool(grid.mask.all())
+        assert bool((grid.density > 0).all())  # the record is kept up to date meanwhile
+        spread = float(grid.density.max() / grid.density.min()) - 1
+        pruned = grid.update(field.density, 0.01, generator=torch.Generator().manual_seed(1))
+        assert spread < 1e-3 and 0.2 < pruned < 0.8  # densities within 0.1 %, yet about half the cells go

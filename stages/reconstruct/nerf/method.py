@@ -109,7 +109,8 @@ class NerfMethod:
         if step % self.cfg.occ_update_every != 0:
             return None
         return self.grid.update(
-            self.field.density, self.step_size, generator=generator, fraction=1.0 if step < 256 else 0.25
+            self.field.density, self.step_size, generator=generator, fraction=1.0 if step < 256 else 0.25,
+            prune=step >= self.cfg.occ_warmup_steps,
         )
 
     def loss(self, o, d, rgb, generator: torch.Generator) -> tuple[torch.Tensor, dict]:

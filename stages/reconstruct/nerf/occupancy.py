@@ -43,9 +43,11 @@ class OccupancyGrid(nn.Module):
         generator: torch.Generator | None = None,
         fraction: float = 1.0,
         chunk: int = 65536,
+        prune: bool = True,
     ) -> float:
         """Refresh a random ``fraction`` of the cells from ``density_fn`` at jittered
-        points in them; returns the occupied fraction of the grid."""
+        points in them; returns the occupied fraction of the grid. ``prune=False`` refreshes the
+        density record but keeps every cell occupied (a warm-up)."""
         r = self.resolution
         n = r**3
         dev = self.density.device
@@ -59,6 +61,9 @@ class OccupancyGrid(nn.Module):
         x = self.aabb[0] + (ijk + jitter) / r * (self.aabb[1] - self.aabb[0])
         new = torch.cat([density_fn(x[i : i + chunk]).float() for i in range(0, len(x), chunk)])
         self.density[cells] = torch.maximum(self.density[cells] * self.decay, new)
+        if not prune:
+            self.mask.fill_(True)
+            return 1.0
         # Opacity of one march step; a cell is kept if it could stop light.
         alpha = 1.0 - torch.exp(-self.density * step_size)
         thresh = min(self.threshold, float(alpha.mean()))
