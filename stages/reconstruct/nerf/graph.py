@@ -3,8 +3,9 @@
 Why: at NeRF batch sizes a training step is bound by the host, not the GPU. With the packed
 renderer a step is still ~110 kernel launches (hash encoding, MLPs, compositing and their
 backward), each costing 20-30 us of Python, dispatcher and driver time, against a few ms of GPU
-work on an H200 (``RAYFORGE_PROFILE``: the GPU was busy 18 % of a step). A replayed graph issues
-all of them in one call, and the host is free to prepare the next step while the GPU runs.
+work on an H200 (``RAYFORGE_PROFILE``: the GPU was busy 18 % of an eager step with the dense
+renderer). A replayed graph issues all of them in one call, and the host is free to prepare the
+next step while the GPU runs (default scene, 8192 rays, 1000 steps: 6.4 s eager, 3.0 s graphed).
 
 What a graph needs, and how it gets it here:
 
@@ -171,8 +172,6 @@ class CapturedStep:
         self.graph, self._out, self._saved = graph, out, None
         self.captures += 1
         self._note("capture", self._need, capacity)
-        log.debug("captured the training step: %d rays, budget %d samples (capture %d)", self.rays, capacity,
-                  self.captures)
 
     def __call__(self, o: torch.Tensor, d: torch.Tensor, rgb: torch.Tensor, jitter: torch.Tensor):
         R = o.shape[0]
