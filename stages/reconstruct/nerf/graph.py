@@ -84,7 +84,6 @@ class CapturedStep:
         self._static: dict[str, torch.Tensor] = {}
         self._out: tuple[torch.Tensor, ...] | None = None
         self._grads: list[torch.Tensor] | None = None
-        self._saved: list[torch.Tensor] | None = None  # the gradients while a capture is under way
         self._need: int | None = None  # the latest sample count seen on the host
         self._pending: deque = deque()  # (event, pinned count, budget it ran with)
 
@@ -146,10 +145,8 @@ class CapturedStep:
             self.events.append((kind, self.replays, count, budget))
 
     def _give_up(self, reason: str) -> None:
-        """Eager steps from now on: drop the graph, put back the gradients as they were."""
-        if self._saved is not None:
-            torch._foreach_copy_(self._grads, self._saved)
-        self.graph, self._out, self._saved, self.failed = None, None, None, reason
+        """Eager steps from now on (the failed capture has put the gradients back)."""
+        self.graph, self._out, self.failed = None, None, reason
         log.warning("the training step could not be captured in a CUDA graph; training continues with eager "
                     "steps (reconstruct.nerf.cuda_graph: off silences this): %s", reason)
 
@@ -158,18 +155,20 @@ class CapturedStep:
         self.graph, self._out = None, None  # frees the old graph's memory pool
         self.capacity = capacity
         self._bind_grads()
-        self._saved = [g.clone() for g in self._grads]  # the warm-ups add into the gradients: put them back
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # first calls allocate workspaces and load kernels: not in the graph
-            for _ in range(2):
-                self._body()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self._body()
-        torch._foreach_copy_(self._grads, self._saved)
-        self.graph, self._out, self._saved = graph, out, None
+        saved = [g.clone() for g in self._grads]  # the warm-ups add into the gradients: put them back
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # first calls allocate workspaces and load kernels: not in the graph
+                for _ in range(2):
+                    self._body()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self._body()
+        finally:
+            torch._foreach_copy_(self._grads, saved)
+        self.graph, self._out = graph, out
         self.captures += 1
         self._note("capture", self._need, capacity)
 

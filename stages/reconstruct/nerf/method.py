@@ -17,7 +17,7 @@ from ..config import NerfParams, ReconstructParams
 from ..data import image_rays
 from .field import NerfField
 from .occupancy import OccupancyGrid
-from .render import render_packed, render_rays
+from .render import render_packed, render_rays, sample_jitter
 
 
 def resolve_use_kernels(setting: str, device: torch.device) -> bool:
@@ -91,11 +91,6 @@ class NerfMethod:
 
         return CapturedStep(self, required=setting == "on")
 
-    def _jitter(self, rays: int, generator: torch.Generator | None) -> torch.Tensor:
-        """Stratified sample offsets in [0, 1), one per ray (as render_rays draws them)."""
-        return torch.rand((rays,), generator=generator,
-                          device=generator.device if generator else "cpu").to(self.device)
-
     @property
     def num_params(self) -> int:
         return sum(p.numel() for p in self.field.parameters())
@@ -126,16 +121,16 @@ class NerfMethod:
         ``mse`` and ``num_samples`` (device tensors). ``before_backward`` is called between the
         forward and the backward of an eager step (a replayed graph step has no such point)."""
         if self.graphed is not None:
-            jitter = self._jitter(o.shape[0], generator)
+            jitter = sample_jitter(o.shape[0], True, generator, self.device)  # as render_rays draws it
             got = self.graphed(o, d, rgb, jitter)
             if got is not None:
                 return {"mse": got[0], "num_samples": got[1]}
             # no sample count yet to size the graph's budget: this step runs eagerly and gives one
             out = render_packed(self.field, self.grid, o, d, jitter, self.step_size, self.cfg.samples_per_ray,
                                 self.cfg.near)
-            self.graphed.observe(out["num_samples"])
+            self.graphed.observe(int(out["num_samples"]))
             loss = torch.nn.functional.mse_loss(out["rgb"], rgb)
-            info = {"mse": loss.detach(), "num_samples": torch.tensor(out["num_samples"])}
+            info = {"mse": loss.detach(), "num_samples": out["num_samples"]}
         else:
             loss, info = self.loss(o, d, rgb, generator)
         if before_backward is not None:

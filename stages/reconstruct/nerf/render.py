@@ -21,6 +21,15 @@ def ray_aabb(o: torch.Tensor, d: torch.Tensor, aabb: torch.Tensor, near: float) 
     return ray_box_reference(o, d, aabb, near)  # one definition for both renderers (kernels/_reference.py)
 
 
+def sample_jitter(rays: int, perturb: bool, generator: torch.Generator | None,
+                  device: torch.device) -> torch.Tensor:
+    """Offsets [R] of the samples within their march step: uniform draws from ``generator`` (on
+    its own device) when ``perturb``, else 0.5 (step midpoints)."""
+    if not perturb:
+        return torch.full((rays,), 0.5, device=device)
+    return torch.rand((rays,), generator=generator, device=generator.device if generator else "cpu").to(device)
+
+
 def render_rays(
     field: NerfField,
     grid: OccupancyGrid | None,
@@ -46,15 +55,12 @@ def render_rays(
     """
     R = o.shape[0]
     dev = o.device
+    jitter = sample_jitter(R, perturb, generator, dev)  # the same draws for both paths
     if fused:
-        return _render_packed(field, grid, o, d, step_size, max_samples, near, perturb, generator)
+        return render_packed(field, grid, o, d, jitter, step_size, max_samples, near)
     tmin, tmax = ray_aabb(o, d, field.aabb, near)
     steps = torch.arange(max_samples, device=dev, dtype=o.dtype)
-    if perturb:
-        jitter = torch.rand((R, 1), generator=generator, device=generator.device if generator else "cpu").to(dev)
-    else:
-        jitter = torch.full((R, 1), 0.5, device=dev)
-    t = tmin[:, None] + (steps[None, :] + jitter) * step_size  # [R, S] sample midpoints
+    t = tmin[:, None] + (steps[None, :] + jitter[:, None]) * step_size  # [R, S] sample midpoints
     valid = t < tmax[:, None]
     pts = o[:, None, :] + t[..., None] * d[:, None, :]
     if grid is not None:
@@ -78,24 +84,14 @@ def render_rays(
     return {"rgb": color, "opacity": opacity, "depth": depth, "num_samples": torch.tensor(idx[0].numel())}
 
 
-def _render_packed(field, grid, o, d, step_size, max_samples, near, perturb, generator):
-    R = o.shape[0]
-    if perturb:  # the same draws as the dense path's [R, 1] jitter
-        jitter = torch.rand((R,), generator=generator, device=generator.device if generator else "cpu").to(o.device)
-    else:
-        jitter = torch.full((R,), 0.5, device=o.device)
-    out = render_packed(field, grid, o, d, jitter, step_size, max_samples, near)
-    out["num_samples"] = torch.tensor(out["num_samples"])
-    return out
-
-
 def render_packed(field: NerfField, grid: OccupancyGrid | None, o: torch.Tensor, d: torch.Tensor,
                   jitter: torch.Tensor, step_size: float, max_samples: int, near: float = 0.0,
                   capacity: int | None = None) -> dict[str, torch.Tensor]:
     """The packed-sample renderer of :func:`render_rays` (``fused=True``) with the sample jitter [R]
     given. ``capacity``: a fixed sample budget (see :func:`kernels.march_rays`): no host sync and
     the same shapes every call (what a CUDA graph needs); ``num_samples`` is then a 0-d device
-    tensor (the samples evaluated) and ``total_samples`` the count before the budget's cut."""
+    tensor (the samples evaluated; a 0-d CPU tensor without a budget) and ``total_samples`` the
+    count before the budget's cut."""
     use = field.encoding.use_kernels  # the method's resolved choice: kernels here, or the references
     s = kernels.march_rays(o.float().contiguous(), d.float().contiguous(), jitter, field.aabb,
                            None if grid is None else grid.mask, step_size, max_samples, near,
@@ -109,7 +105,7 @@ def render_packed(field: NerfField, grid: OccupancyGrid | None, o: torch.Tensor,
     color = color + (1.0 - opacity)[:, None] * field.background_rgb()
     out = {"rgb": color, "opacity": opacity, "depth": depth}
     if capacity is None:
-        out["num_samples"] = s.t.numel()
+        out["num_samples"] = torch.tensor(s.t.numel())
     else:
         out["num_samples"] = torch.clamp(s.total, max=capacity)
         out["total_samples"] = s.total
