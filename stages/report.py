@@ -87,7 +87,8 @@ def scaling_rows(runs: list[dict]) -> list[dict]:
     run has it, else ``samples_per_s`` when every run has that, else ``1 / wall_s`` (the same
     work in every run). Rays come first because network samples per ray depend on the state of
     the occupancy grid, which differs between runs of different step counts (bench_scaling's
-    default protocol): samples/s would credit a run for marching more points per ray. The speedup is counted from one GPU, taking the baseline as
+    default protocol): samples/s would credit a run for marching more points per ray. The
+    speedup is counted from one GPU, taking the baseline as
     perfectly efficient: ``speedup = throughput / (baseline throughput / baseline gpus)``,
     so a baseline of 1 GPU has speedup 1 and one of 2 GPUs has speedup 2;
     ``efficiency = speedup / gpus``.

@@ -35,12 +35,13 @@ def test_sh_basis_is_orthonormal_over_the_sphere():
     torch.testing.assert_close(gram, torch.eye(16, dtype=torch.float64), rtol=0, atol=2e-3)
 
 
-def _field() -> NerfField:
+def _field(structured: bool = True) -> NerfField:
     torch.manual_seed(0)
     cfg = NerfParams(levels=4, log2_hashmap_size=10, base_resolution=4, max_resolution=32, hidden_dim=16)
     field = NerfField(cfg, torch.tensor([[-1.0, -1, -1], [1, 1, 1]]), use_kernels=False)
-    with torch.no_grad():
-        field.encoding.table.uniform_(-1, 1)  # a field with structure, not the near-zero init
+    if structured:  # a field with structure, not the near-zero init
+        with torch.no_grad():
+            field.encoding.table.uniform_(-1, 1)
     return field
 
 
@@ -77,9 +78,7 @@ def test_occupancy_culling_drops_exactly_the_samples_in_empty_cells():
 def test_occupancy_warmup_records_densities_but_prunes_nothing():
     """A freshly initialised field has about the same density everywhere, so the threshold
     min(occ_threshold, mean) would drop a random half of the cells: the warm-up keeps them all."""
-    torch.manual_seed(0)
-    cfg = NerfParams(levels=4, log2_hashmap_size=10, base_resolution=4, max_resolution=32, hidden_dim=16)
-    field = NerfField(cfg, torch.tensor([[-1.0, -1, -1], [1, 1, 1]]), use_kernels=False)  # as initialised
+    field = _field(structured=False)  # as initialised
     grid = OccupancyGrid(field.aabb, resolution=8)
     with torch.no_grad():
         # a march step whose opacity at the initial density (~0.47) is under occ_threshold 0.01
