@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from stages.reconstruct.config import NerfParams
@@ -88,3 +89,30 @@ def test_occupancy_warmup_records_densities_but_prunes_nothing():
         spread = float(grid.density.max() / grid.density.min()) - 1
         pruned = grid.update(field.density, 0.01, generator=torch.Generator().manual_seed(1))
         assert spread < 1e-3 and 0.2 < pruned < 0.8  # densities within 0.1 %, yet about half the cells go
+
+
+def test_occupancy_schedule_scale_refreshes_after_the_same_rays():
+    """With occ_schedule_scale 1/2 (twice the rays per step) the grid is refreshed every 8 steps
+    instead of 16 and its 64-step warm-up ends at step 32: the 1-GPU schedule in rays seen."""
+    from stages.reconstruct.config import ReconstructParams
+    from stages.reconstruct.nerf.method import NerfMethod
+
+    def refreshes(scale: float) -> list[tuple[int, float]]:
+        # 512 samples a ray: a march step whose opacity at the initial density is under
+        # occ_threshold, so a prune drops about half the cells (see the test above)
+        nerf = NerfParams(levels=2, log2_hashmap_size=10, max_resolution=32, hidden_dim=8,
+                          samples_per_ray=512, occ_resolution=8, occ_warmup_steps=64,
+                          occ_schedule_scale=scale)
+        m = NerfMethod(ReconstructParams(nerf=nerf, steps=200),
+                       torch.tensor([[-1.0, -1.0, -1.0], [1.0, 1.0, 1.0]]), torch.device("cpu"))
+        gen = torch.Generator().manual_seed(0)
+        return [(step, occ) for step in range(80)
+                if (occ := m.step_pre_forward(step, gen)) is not None]
+
+    full, half = refreshes(1.0), refreshes(0.5)
+    assert [s for s, _ in full] == [0, 16, 32, 48, 64]
+    assert [s for s, _ in half] == list(range(0, 80, 8))
+    assert all(occ == 1.0 for s, occ in full if s < 64) and full[4][1] < 1.0  # warm-up, then prunes
+    assert all(occ == 1.0 for s, occ in half if s < 32) and half[4][1] < 1.0  # pruning from step 32
+    with pytest.raises(ValueError, match="occ_schedule_scale"):
+        NerfParams(occ_schedule_scale=0.0)

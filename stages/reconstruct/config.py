@@ -30,6 +30,12 @@ class NerfParams:
     # 2^17 table the warm-up trained faster early (22.7 vs 21.5 dB at step 501) but ended 1.3 dB
     # lower on the test views at 1000 steps (21.97 vs 23.23 dB), so it is off by default.
     occ_warmup_steps: int = 0
+    # Multiplies the grid's step counts (occ_update_every, occ_warmup_steps, and the first 256
+    # steps in which every cell is refreshed), rounded, at least 1 step. Training with N times the
+    # rays per step (N GPUs at the same per-GPU batch), 1/N keeps the grid's refreshes at the same
+    # number of rays seen as with one; benchmarks/bench_scaling.py's weak protocol sets it so (as
+    # gsplat's steps_scaler does for its schedules).
+    occ_schedule_scale: float = 1.0
     lr: float = 1e-2
     lr_final: float = 5e-4
     weight_decay: float = 1e-6
@@ -56,6 +62,8 @@ class NerfParams:
         check(self.occ_update_every >= 1, "occ_update_every", "must be >= 1", self.occ_update_every)
         check(0 <= self.occ_threshold < 1, "occ_threshold", "must be in [0, 1)", self.occ_threshold)
         check(self.occ_warmup_steps >= 0, "occ_warmup_steps", "must be >= 0", self.occ_warmup_steps)
+        check(0 < self.occ_schedule_scale <= 1024, "occ_schedule_scale", "must be in (0, 1024]",
+              self.occ_schedule_scale)
         check(self.lr > 0, "lr", "must be > 0", self.lr)
         check(0 < self.lr_final <= self.lr, "lr_final", "must be in (0, lr]", self.lr_final)
         check(self.weight_decay >= 0, "weight_decay", "must be >= 0", self.weight_decay)

@@ -98,14 +98,23 @@ class NerfMethod:
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.field.parameters())
 
+    def occ_schedule(self) -> tuple[int, int, int]:
+        """(refresh every, warm-up steps, all-cells steps) of the occupancy grid in training steps:
+        16 / occ_warmup_steps / 256 by default, times ``occ_schedule_scale``."""
+        s = self.cfg.occ_schedule_scale
+        return (max(1, round(self.cfg.occ_update_every * s)), round(self.cfg.occ_warmup_steps * s),
+                round(256 * s))
+
     def step_pre_forward(self, step: int, generator: torch.Generator) -> float | None:
         """Refresh the occupancy grid every ``occ_update_every`` steps; all cells during
-        the first 256 steps, a quarter of them afterwards (instant-ngp)."""
-        if step % self.cfg.occ_update_every != 0:
+        the first 256 steps, a quarter of them afterwards (instant-ngp); nothing pruned before
+        ``occ_warmup_steps`` (all three scaled by ``occ_schedule_scale``)."""
+        every, warmup, full = self.occ_schedule()
+        if step % every != 0:
             return None
         return self.grid.update(
-            self.field.density, self.step_size, generator=generator, fraction=1.0 if step < 256 else 0.25,
-            prune=step >= self.cfg.occ_warmup_steps,
+            self.field.density, self.step_size, generator=generator, fraction=1.0 if step < full else 0.25,
+            prune=step >= warmup,
         )
 
     def loss(self, o, d, rgb, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
