@@ -13,15 +13,16 @@ Kernel times use CUDA events around the launch, with a busy kernel queued first 
 overhead is hidden (it is reported separately); median of repeats after warm-up.
 
 Measured on one H200 (torch 2.11+cu130, cuda-bindings 13.3.1, NVRTC 13.0), default build,
-2026-11-29 (benchmarks/results/kernels_H200.json):
+2026-11-30 (benchmarks/results/kernels_H200.json):
 
     N     table   fwd ms  fwd G/s  bwd ms  bwd/fwd
-    2^18  fp32    0.151   27.7     0.312   2.06
-    2^18  fp16    0.127   33.0     0.338   2.66
-    2^21  fp32    1.097   30.6     2.152   1.96
-    2^21  fp16    0.951   35.3     2.176   2.29
-    compile on first use 0.11 s, cached load 0.08 s; host time of one call ~36 us
-    PyTorch reference at 2^21 (earlier run): fwd 32 ms, bwd 62 ms
+    2^18  fp32    0.151   27.8     0.311   2.06
+    2^18  fp16    0.127   32.9     0.337   2.64
+    2^21  fp32    1.095   30.6     2.142   1.96
+    2^21  fp16    0.982   34.2     2.246   2.29
+    compile on first use 0.117 s (both programs: hashgrid.cu, render.cu), cached load 0.055 s;
+    host time of one call ~62 us
+    PyTorch reference at 2^21: fwd 19.1 ms, bwd 7.7 ms (fp32)
 
 The backward is bound by L2 atomic throughput (~90 G vector REDs/s; the scalar-atomics build is
 2.5x slower), so it costs the same for both table dtypes (it accumulates in fp32) while the fp16

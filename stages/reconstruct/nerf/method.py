@@ -105,10 +105,11 @@ class NerfMethod:
         return (max(1, round(self.cfg.occ_update_every * s)), round(self.cfg.occ_warmup_steps * s),
                 round(256 * s))
 
-    def step_pre_forward(self, step: int, generator: torch.Generator) -> float | None:
+    def step_pre_forward(self, step: int, generator: torch.Generator) -> torch.Tensor | None:
         """Refresh the occupancy grid every ``occ_update_every`` steps; all cells during
         the first 256 steps, a quarter of them afterwards (instant-ngp); nothing pruned before
-        ``occ_warmup_steps`` (all three scaled by ``occ_schedule_scale``)."""
+        ``occ_warmup_steps`` (all three scaled by ``occ_schedule_scale``). Returns the occupied
+        fraction (a device tensor) after a refresh, None on other steps."""
         every, warmup, full = self.occ_schedule()
         if step % every != 0:
             return None

@@ -44,10 +44,12 @@ class OccupancyGrid(nn.Module):
         fraction: float = 1.0,
         chunk: int = 65536,
         prune: bool = True,
-    ) -> float:
+    ) -> torch.Tensor:
         """Refresh a random ``fraction`` of the cells from ``density_fn`` at jittered
-        points in them; returns the occupied fraction of the grid. ``prune=False`` refreshes the
-        density record but keeps every cell occupied (a warm-up)."""
+        points in them; returns the occupied fraction of the grid as a 0-dim tensor on the grid's
+        device (nothing here waits for the GPU: a training step that refreshes the grid keeps its
+        launches queued ahead). ``prune=False`` refreshes the density record but keeps every cell
+        occupied (a warm-up)."""
         r = self.resolution
         n = r**3
         dev = self.density.device
@@ -63,9 +65,9 @@ class OccupancyGrid(nn.Module):
         self.density[cells] = torch.maximum(self.density[cells] * self.decay, new)
         if not prune:
             self.mask.fill_(True)
-            return 1.0
+            return torch.ones((), device=dev)
         # Opacity of one march step; a cell is kept if it could stop light.
         alpha = 1.0 - torch.exp(-self.density * step_size)
-        thresh = min(self.threshold, float(alpha.mean()))
+        thresh = alpha.mean().clamp(max=self.threshold)  # min(threshold, mean), on the device
         self.mask.copy_(alpha > thresh)  # in place: a captured training step holds its address
-        return float(self.mask.float().mean())
+        return self.mask.float().mean()
