@@ -152,22 +152,34 @@ def scaling_rows(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def read_scaling(path: str | Path) -> dict:
-    """A scaling file: ``{"scene": str, "method": str, "runs": [...]}`` (see :func:`scaling_rows`)."""
+def read_scaling(path: str | Path) -> list[dict]:
+    """The scaling tables of a file: ``{"scene": str, "method": str, "runs": [...]}`` (see
+    :func:`scaling_rows`), or ``{"scenes": [...]}`` of those (``bench_scaling.py`` with several
+    ``--poses``); one table per scene."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"scaling file not found: {path}")
     doc = read_json(path)
-    if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
-        raise ValueError(f"{path}: expected {{\"scene\", \"method\", \"runs\": [...]}}")
-    try:
-        rows = scaling_rows(doc["runs"])
-    except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
-    gpus = sorted({str(r["gpu_name"]) for r in doc["runs"] if isinstance(r, dict) and r.get("gpu_name")})
-    return {"scene": doc.get("scene"), "method": doc.get("method"), "rows": rows, "mode": doc.get("mode"),
-            "batch_rays_per_gpu": doc.get("batch_rays_per_gpu"), "global_batch_rays": doc.get("global_batch_rays"),
-            "source": path.as_posix(), "gpu_names": gpus}
+    shape = '{"scene", "method", "runs": [...]} or {"scenes": [...]}'
+    if isinstance(doc, dict) and isinstance(doc.get("scenes"), list) and "runs" not in doc:
+        entries = doc["scenes"]
+    else:
+        entries = [doc]
+    if not entries or not all(isinstance(e, dict) and isinstance(e.get("runs"), list) for e in entries):
+        raise ValueError(f"{path}: expected {shape}")
+    out = []
+    for e in entries:
+        try:
+            rows = scaling_rows(e["runs"])
+        except ValueError as exc:
+            name = f" (scene {e.get('scene')!r})" if len(entries) > 1 else ""
+            raise ValueError(f"{path}{name}: {exc}") from None
+        gpus = sorted({str(r["gpu_name"]) for r in e["runs"] if isinstance(r, dict) and r.get("gpu_name")})
+        out.append({"scene": e.get("scene"), "method": e.get("method"), "rows": rows, "mode": e.get("mode"),
+                    "batch_rays_per_gpu": e.get("batch_rays_per_gpu"),
+                    "global_batch_rays": e.get("global_batch_rays"), "source": path.as_posix(),
+                    "gpu_names": gpus})
+    return out
 
 
 # ---------------------------------------------------------------- published numbers
@@ -481,7 +493,7 @@ def run(
         scaling = []
     elif isinstance(scaling, (str, Path)):
         scaling = [scaling]
-    scaling_docs = [read_scaling(f) for f in scaling]  # all read (and checked) before anything is written
+    scaling_docs = [sc for f in scaling for sc in read_scaling(f)]  # all read and checked before anything is written
     refs = load_references(references)
     env = ev.get("environment") or {}
     method = ev.get("method") or "?"

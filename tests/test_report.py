@@ -261,6 +261,26 @@ def test_scaling_rows_rejects_bad_runs(runs, match):
         report.scaling_rows(runs)
 
 
+def test_read_scaling_takes_one_scene_or_bench_scalings_several(tmp_path):
+    runs = [{"gpus": 1, "wall_s": 20.0}, {"gpus": 2, "wall_s": 10.5}]
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps({"scene": "lego", "method": "nerf", "runs": runs}))
+    several = tmp_path / "several.json"
+    several.write_text(json.dumps({"scenes": [{"scene": "a", "method": "nerf", "runs": runs},
+                                              {"scene": "b", "method": "nerf", "runs": runs[:1]}]}))
+    assert [t["scene"] for t in report.read_scaling(one)] == ["lego"]
+    tables = report.read_scaling(several)
+    assert [t["scene"] for t in tables] == ["a", "b"] and len(tables[1]["rows"]) == 1
+    assert tables[0]["rows"][1]["speedup"] == pytest.approx(20.0 / 10.5)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"scenes": [{"scene": "a", "runs": runs}, {"scene": "b", "runs": [{"gpus": 1}]}]}))
+    with pytest.raises(ValueError, match=r"bad.json \(scene 'b'\): scaling run 0: 'wall_s' is missing"):
+        report.read_scaling(bad)
+    bad.write_text(json.dumps({"scenes": []}))
+    with pytest.raises(ValueError, match="expected"):
+        report.read_scaling(bad)
+
+
 def test_scaling_table_from_the_command_line(pipeline, capsys):
     root = pipeline
     scaling = root / "scaling.json"
