@@ -28,12 +28,7 @@ class NerfParams:
     # table (max_resolution 2048) training then stalled at ~15.5 dB train PSNR for 500 steps, and
     # with 256 warm-up steps reached 20.8 dB at step 247 and 23.4 at 499; with this params.yaml's
     # 2^17 table the warm-up trained faster early (22.7 vs 21.5 dB at step 501) but ended 1.3 dB
-    # lower on the test views at 1000 steps (21.97 vs 23.23 dB), so it is off by default. A higher
-    # initial density (trunc_exp(h) instead of trunc_exp(h - 1), so every cell starts above the
-    # threshold) also un-stalls the 2^19 table (19.97 vs 15.41 dB train PSNR at step 300) and costs
-    # this profile the same (21.81 dB, and 735 s of training instead of 419: more cells stay
-    # occupied): the early random prune is what makes 1000 CPU steps enough here. The GPU profile
-    # (benchmarks/bench_scaling.py) sets 256.
+    # lower on the test views at 1000 steps (21.97 vs 23.23 dB), so it is off by default.
     occ_warmup_steps: int = 0
     # Multiplies the grid's step counts (occ_update_every, occ_warmup_steps, and the first 256
     # steps in which every cell is refreshed), rounded, at least 1 step. Training with N times the
