@@ -97,7 +97,7 @@ def test_occupancy_schedule_scale_refreshes_after_the_same_rays():
     from stages.reconstruct.config import ReconstructParams
     from stages.reconstruct.nerf.method import NerfMethod
 
-    def refreshes(scale: float) -> list[tuple[int, float]]:
+    def refreshes(scale: float) -> list[tuple[int, torch.Tensor]]:
         # 512 samples a ray: a march step whose opacity at the initial density is under
         # occ_threshold, so a prune drops about half the cells (see the test above)
         nerf = NerfParams(levels=2, log2_hashmap_size=10, max_resolution=32, hidden_dim=8,
