@@ -116,3 +116,9 @@ def test_occupancy_schedule_scale_refreshes_after_the_same_rays():
     assert all(occ == 1.0 for s, occ in half if s < 32) and half[4][1] < 1.0  # pruning from step 32
     with pytest.raises(ValueError, match="occ_schedule_scale"):
         NerfParams(occ_schedule_scale=0.0)
+
+
+def test_switches_read_yaml_bools_as_on_off():
+    """YAML 1.1 reads a bare on / off as a bool: the three auto|on|off switches take it as meant."""
+    p = NerfParams(use_kernels=False, fused_render=True, cuda_graph=False)
+    assert (p.use_kernels, p.fused_render, p.cuda_graph) == ("off", "on", "off")

@@ -68,12 +68,9 @@ class NerfParams:
         check(0 < self.lr_final <= self.lr, "lr_final", "must be in (0, lr]", self.lr_final)
         check(self.weight_decay >= 0, "weight_decay", "must be >= 0", self.weight_decay)
         check(self.near >= 0, "near", "must be >= 0", self.near)
-        if isinstance(self.fused_render, bool):  # YAML 1.1 reads a bare on/off as a bool
-            self.fused_render = "on" if self.fused_render else "off"
-        if isinstance(self.use_kernels, bool):
-            self.use_kernels = "on" if self.use_kernels else "off"
-        if isinstance(self.cuda_graph, bool):
-            self.cuda_graph = "on" if self.cuda_graph else "off"
+        for key in ("use_kernels", "fused_render", "cuda_graph"):
+            if isinstance(getattr(self, key), bool):  # YAML 1.1 reads a bare on/off as a bool
+                setattr(self, key, "on" if getattr(self, key) else "off")
 
 
 @dataclass

@@ -33,9 +33,6 @@ import logging
 from collections import deque
 
 import torch
-import torch.nn.functional as F
-
-from .render import render_packed
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +86,8 @@ class CapturedStep:
 
     # ------------------------------------------------------------------ the captured body
     def _body(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        m, st = self.method, self._static
-        out = render_packed(m.field, m.grid, st["o"], st["d"], st["jitter"], m.step_size, m.cfg.samples_per_ray,
-                            m.cfg.near, capacity=self.capacity)
-        mse = F.mse_loss(out["rgb"], st["rgb"])
+        st = self._static
+        mse, out = self.method.packed_loss(st["o"], st["d"], st["rgb"], st["jitter"], capacity=self.capacity)
         mse.backward()
         return mse.detach(), out["num_samples"], out["total_samples"]
 

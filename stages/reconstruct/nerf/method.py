@@ -126,6 +126,14 @@ class NerfMethod:
         mse = torch.nn.functional.mse_loss(out["rgb"], rgb)
         return mse, {"mse": mse.detach(), "num_samples": out["num_samples"]}
 
+    def packed_loss(self, o, d, rgb, jitter: torch.Tensor, capacity: int | None = None):
+        """(mse, render output) of the packed renderer with the sample ``jitter`` given and an
+        optional fixed sample budget: the body of a CUDA-graph step (nerf/graph.py) and of the eager
+        step that sizes its first budget."""
+        out = render_packed(self.field, self.grid, o, d, jitter, self.step_size, self.cfg.samples_per_ray,
+                            self.cfg.near, capacity=capacity)
+        return torch.nn.functional.mse_loss(out["rgb"], rgb), out
+
     def forward_backward(self, o, d, rgb, generator: torch.Generator, before_backward=None) -> dict:
         """One micro-batch: the loss's gradients are added to the parameters' ``.grad``; returns
         ``mse`` and ``num_samples`` (device tensors). ``before_backward`` is called between the
@@ -136,10 +144,8 @@ class NerfMethod:
             if got is not None:
                 return {"mse": got[0], "num_samples": got[1]}
             # no sample count yet to size the graph's budget: this step runs eagerly and gives one
-            out = render_packed(self.field, self.grid, o, d, jitter, self.step_size, self.cfg.samples_per_ray,
-                                self.cfg.near)
+            loss, out = self.packed_loss(o, d, rgb, jitter)
             self.graphed.observe(int(out["num_samples"]))
-            loss = torch.nn.functional.mse_loss(out["rgb"], rgb)
             info = {"mse": loss.detach(), "num_samples": out["num_samples"]}
         else:
             loss, info = self.loss(o, d, rgb, generator)
