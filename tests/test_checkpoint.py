@@ -26,13 +26,32 @@ def params(over: dict | None = None) -> ReconstructParams:
 def blob(step: int, p: ReconstructParams | None = None) -> dict:
     p = p or params()
     return {"format": CKPT_FORMAT, "method": "nerf", "config": to_dict(p), "seed": 0, "world_size": 1,
-            "step": step, "state": {"w": torch.full((3,), float(step))}, "optimizer": {}, "scheduler": None,
+            "step": step, "state": {"w": torch.full((3,), float(step))}, "optimizers": {}, "schedulers": {},
             "rng": [{"torch": torch.get_rng_state()}], "progress": {"rows": [{"step": step, "test_psnr": None}]}}
 
 
 def expect(p: ReconstructParams | None = None, world: int = 1) -> Expectation:
     p = p or params()
     return Expectation("nerf", to_dict(p), 0, world)
+
+
+def test_a_v1_checkpoint_reads_back_in_the_v2_layout(tmp_path):
+    old = blob(7)
+    del old["optimizers"], old["schedulers"]
+    old.update(format="rayforge-train-checkpoint-v1", optimizer={"state": {}, "param_groups": []}, scheduler={"x": 1})
+    store = CheckpointStore(tmp_path / "ck")
+    store.save(old)
+    got = store.load_latest(expect())
+    assert got["format"] == CKPT_FORMAT and got["method_version"] == 1
+    assert got["optimizers"] == {"field": {"state": {}, "param_groups": []}} and got["schedulers"] == {"field": {"x": 1}}
+
+
+def test_another_method_version_is_a_mismatch(tmp_path):
+    store = CheckpointStore(tmp_path / "ck")
+    store.save({**blob(5), "method_version": 1})
+    p = params()
+    with pytest.raises(CheckpointMismatch, match="nerf version: 1 -> 2"):
+        store.load_latest(Expectation("nerf", to_dict(p), 0, 1, version=2))
 
 
 def test_default_dir_is_beside_the_out():
@@ -169,4 +188,4 @@ def test_successful_run_writes_outs_and_removes_its_checkpoints(poses, tmp_path,
     assert not default_dir(out).exists()
     assert summary["world_size"] == 1 and summary["lr_scale"] == 1.0 and summary["resumed_from_step"] is None
     final = torch.load(out / "checkpoint.pt", weights_only=True)
-    assert final["step"] == 12 and "optimizer" in final
+    assert final["step"] == 12 and set(final["optimizers"]) == {"field"} and final["method_version"] == 1

@@ -8,7 +8,7 @@ import torch
 
 from stages.reconstruct.config import ReconstructParams
 from stages.reconstruct.data import load_scene
-from stages.reconstruct.train import build_method
+from stages.reconstruct.methods import build_method
 
 
 def _poses(tmp_path, background=None):

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from stages.reconstruct.config import NerfParams
+from stages.reconstruct.config import GaussianParams, NerfParams, ReconstructParams
 from stages.reconstruct.nerf.field import NerfField, sh_encode_deg4, sh_encode_deg4_reference
 from stages.reconstruct.nerf.occupancy import OccupancyGrid
 from stages.reconstruct.nerf.render import render_rays
@@ -119,6 +119,8 @@ def test_occupancy_schedule_scale_refreshes_after_the_same_rays():
 
 
 def test_switches_read_yaml_bools_as_on_off():
-    """YAML 1.1 reads a bare on / off as a bool: the three auto|on|off switches take it as meant."""
-    p = NerfParams(use_kernels=False, fused_render=True, cuda_graph=False)
-    assert (p.use_kernels, p.fused_render, p.cuda_graph) == ("off", "on", "off")
+    """YAML 1.1 reads a bare on / off as a bool: the auto|on|off switches take it as meant."""
+    p = NerfParams(fused_render=True, cuda_graph=False)
+    assert (p.fused_render, p.cuda_graph) == ("on", "off")
+    assert ReconstructParams(kernels=False).kernels == "off"
+    assert GaussianParams(random_background=True).random_background == "on"

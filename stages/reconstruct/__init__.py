@@ -1,15 +1,15 @@
 """Reconstruct stage: train a scene representation from posed images.
 
 ``python -m stages.reconstruct --poses data/poses --out data/reconstruct`` trains the
-method named by ``reconstruct.method`` (the hash-grid NeRF today; 3DGS has a place
-beside it in ``train.build_method``) on the GPU when one is present, else the CPU.
+method named by ``reconstruct.method`` (``nerf``: the hash-grid NeRF; ``3dgs``: 3D Gaussian
+Splatting; see ``methods.py``) on the GPU when one is present, else the CPU.
 With more than one process (``reconstruct.distributed``: several GPUs, several hosts,
 or ``cpu_workers``) the command re-launches itself under torchrun, one worker per GPU;
 see ``docs/distributed.md``.
 
 Outs (``--out``, written by rank 0 alone): ``model.pt`` (weights + resolved config,
-loadable with ``torch.load(weights_only=True)``), ``checkpoint.pt`` (model + optimizer
-state + step), ``summary.json``; metrics (``--metrics``) and the training curve
+loadable with ``torch.load(weights_only=True)``), ``checkpoint.pt`` (model + the optimizers'
+state by name + step), ``summary.json``; metrics (``--metrics``) and the training curve
 (``--plots``). While training, checkpoints go to ``<out>.ckpt/`` beside the out (or
 ``--checkpoint-dir``); a rerun resumes from them, and success removes them. TensorBoard
 scalars (``reconstruct.tensorboard``) go to ``<out>.tb/`` while training and end up in
@@ -31,20 +31,12 @@ from .checkpoint import CheckpointStore, default_dir
 from .config import DistributedParams, ReconstructParams
 from .data import load_scene
 from .distributed import DistContext
+from .methods import all_optimizer_state
 from .train import train
 
 log = logging.getLogger("stages.reconstruct")
 
 MODEL_FORMAT = "rayforge-model-v1"
-
-
-def _graph_summary(method) -> dict | None:
-    """Rank 0's CUDA-graph step: captures, budget, and steps that ran past the budget."""
-    g = getattr(method, "graphed", None)
-    if g is None:
-        return None
-    return {"captures": g.captures, "budget_samples": g.capacity, "max_samples_seen": g.max_count,
-            "overflow_steps": g.overflow_steps, "failed": g.failed, "events": [list(e) for e in g.events]}
 
 
 def pick_device(setting: str) -> torch.device:
@@ -121,9 +113,8 @@ def run(
         "rays_per_s": round(result.rays_per_s),
         "final_train_psnr": result.final_psnr,
         "final_test_psnr_sampled": result.final_test_psnr,
-        "kernels": method.use_kernels,
-        "fused_render": getattr(method, "fused", False),
-        "cuda_graph": _graph_summary(method),
+        **method.summary(),
+        "skipped_steps": result.skipped_steps,
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
         "seed": seed,
@@ -145,7 +136,8 @@ def run(
         with atomic_dir(out_dir) as tmp:
             torch.save(model, tmp / "model.pt")
             torch.save(
-                {**model, "optimizer": method.optimizer.state_dict(), "step": params.steps},
+                {**model, "method_version": method.VERSION, "optimizers": all_optimizer_state(method),
+                 "step": params.steps},
                 tmp / "checkpoint.pt",
             )
             atomic_write_json(tmp / "summary.json", summary)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from stages.common import log as logsetup
-from stages.common.params import ParamsError, load_section, read_yaml, to_dict
+from stages.common.params import ParamsError, load_section, read_yaml
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     from . import ReconstructParams, run
     from . import distributed as D
     from . import launch as L
-    from .checkpoint import CheckpointStore, Expectation, default_dir
+    from .checkpoint import CheckpointStore, default_dir
+    from .methods import expectation
 
     try:
         data = read_yaml(args.params)
@@ -82,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"{poses}: missing {name}; run the poses stage first")
         if params.distributed.checkpoint_every and args.node_rank in (None, 0):
             # a checkpoint of another run fails here, before any worker starts
-            CheckpointStore(ckpt_dir).load_latest(
-                Expectation(params.method, to_dict(params), seed, p.world_size))
+            CheckpointStore(ckpt_dir).load_latest(expectation(params, seed, p.world_size))
         if p.needs_torchrun or args.launch == "torchrun":
             if p.nodes > 1 and args.node_rank is None:
                 log.info("nodes=%d: this host's rank is assigned at the rendezvous (--node-rank pins it)", p.nodes)

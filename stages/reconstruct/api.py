@@ -15,8 +15,8 @@ from stages.common.cameras import Intrinsics
 from stages.common.params import from_dict
 
 from . import MODEL_FORMAT, pick_device
-from .config import ReconstructParams
-from .train import build_method
+from .config import ReconstructParams, migrate_config
+from .methods import build_method
 
 
 class TrainedModel:
@@ -45,8 +45,8 @@ def load_trained(model_dir: str | Path, device: str = "auto") -> TrainedModel:
         raise ValueError(f"{path}: not a readable model file ({exc})") from None
     if not isinstance(blob, dict) or blob.get("format") != MODEL_FORMAT:
         raise ValueError(f"{path}: not a {MODEL_FORMAT} file")
-    params = from_dict(ReconstructParams, blob["config"], "reconstruct")
-    params.nerf.use_kernels = "auto"  # render with kernels where they run, whatever trained it
+    params = from_dict(ReconstructParams, migrate_config(blob["config"]), "reconstruct")
+    params.kernels = "auto"  # render with kernels where they run, whatever trained it
     dev = pick_device(device)
     method = build_method(params, blob["aabb"], dev)
     method.load_state_dict(blob["state"])

@@ -6,9 +6,10 @@ inside it: the out is DVC's and is replaced as a whole at the end), atomically
 file's sha256; the latest two are kept. A checkpoint holds tensors and plain types
 only (``torch.load(weights_only=True)``):
 
-* ``format``, ``method``, ``config`` (the resolved params), ``seed``, ``world_size``
+* ``format``, ``method``, ``method_version``, ``config`` (the resolved params), ``seed``, ``world_size``
 * ``step``: optimizer steps done
-* ``state`` (the method's ``state_dict()``), ``optimizer``, ``scheduler``
+* ``state`` (the method's ``state_dict()``), ``optimizers`` and ``schedulers`` (state dicts by
+  name: one per parameter for 3DGS, one for the NeRF's field)
 * ``rng``: one entry per rank (every generator the rank draws from, and torch's own)
 * ``progress``: the training curve so far, samples and seconds, for the outs' figures
 
@@ -34,19 +35,22 @@ import torch
 
 from stages.common.io import atomic_write_bytes, atomic_write_json
 
+from .config import migrate_config
+
 log = logging.getLogger("stages.reconstruct.checkpoint")
 
-CKPT_FORMAT = "rayforge-train-checkpoint-v1"
-REQUIRED_KEYS = ("format", "method", "config", "seed", "world_size", "step", "state", "optimizer", "rng")
+CKPT_FORMAT = "rayforge-train-checkpoint-v2"
+# v1 (before methods had several optimizers): one "optimizer" and one "scheduler", the NeRF's
+OLD_FORMATS = ("rayforge-train-checkpoint-v1",)
+REQUIRED_KEYS = ("format", "method", "config", "seed", "world_size", "step", "state", "optimizers", "rng")
 KEEP = 2
 
 # Params that may differ between a run and its resume without changing what is trained:
 # operational knobs, and the ways of asking for a world size (the size itself is compared).
+# Each method adds its own (kernel switches and the like: ``Method.OPERATIONAL_KEYS``).
 OPERATIONAL_KEYS = frozenset({
     "eval_every",
-    "nerf.use_kernels",
-    "nerf.fused_render",
-    "nerf.cuda_graph",
+    "tensorboard",
     "distributed.gpus", "distributed.nodes", "distributed.cpu_workers",
     "distributed.rdzv_endpoint", "distributed.rdzv_timeout_s", "distributed.grad_sync",
     "distributed.checkpoint_every", "distributed.max_restarts", "distributed.replica_check_every",
@@ -81,12 +85,14 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def config_differences(saved: dict, current: dict) -> list[str]:
-    """``key: saved -> current`` for every non-operational params key that differs."""
-    a, b = _flatten(saved), _flatten(current)
+def config_differences(saved: dict, current: dict, operational: frozenset[str] = frozenset()) -> list[str]:
+    """``key: saved -> current`` for every params key that differs, except the operational ones
+    (:data:`OPERATIONAL_KEYS` and ``operational``)."""
+    a, b = _flatten(migrate_config(saved)), _flatten(migrate_config(current))
+    skip = OPERATIONAL_KEYS | operational
     diffs = []
     for key in sorted(set(a) | set(b)):
-        if key in OPERATIONAL_KEYS:
+        if key in skip:
             continue
         va, vb = a.get(key, "<absent>"), b.get(key, "<absent>")
         if isinstance(va, (list, tuple)) and isinstance(vb, (list, tuple)):
@@ -104,20 +110,35 @@ class Expectation:
     config: dict
     seed: int
     world_size: int
+    operational: frozenset[str] = frozenset()  # the method's OPERATIONAL_KEYS
+    version: int | None = None  # the method's VERSION (None: not compared)
 
     def check(self, blob: dict, path: Path, folder: Path) -> None:
         diffs = []
         if blob["method"] != self.method:
             diffs.append(f"method: {blob['method']!r} -> {self.method!r}")
+        elif self.version is not None and blob.get("method_version", 1) != self.version:
+            diffs.append(f"{self.method} version: {blob.get('method_version', 1)} -> {self.version}")
         if blob["seed"] != self.seed:
             diffs.append(f"seed: {blob['seed']!r} -> {self.seed!r}")
         if blob["world_size"] != self.world_size:
             diffs.append(f"world size: {blob['world_size']} -> {self.world_size} processes")
-        diffs += config_differences(blob["config"], self.config)
+        diffs += config_differences(blob["config"], self.config, self.operational)
         if diffs:
             raise CheckpointMismatch(
                 f"checkpoint {path} was written by another model or config ({'; '.join(diffs)}); "
                 f"restore those params to resume it, or remove {folder} to start over")
+
+
+def _upgrade(blob: dict) -> dict:
+    """A v1 checkpoint (the NeRF's one optimizer and scheduler) in the v2 layout."""
+    blob = dict(blob)
+    blob["optimizers"] = {"field": blob.pop("optimizer", None)}
+    sched = blob.pop("scheduler", None)
+    blob["schedulers"] = {"field": sched} if sched is not None else {}
+    blob.setdefault("method_version", 1)
+    blob["format"] = CKPT_FORMAT
+    return blob
 
 
 class CheckpointStore:
@@ -179,6 +200,8 @@ class CheckpointStore:
             blob = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as exc:  # torch raises several types for a damaged zip or pickle
             raise CorruptCheckpoint(f"{path}: not a readable checkpoint ({type(exc).__name__}: {exc})") from None
+        if isinstance(blob, dict) and blob.get("format") in OLD_FORMATS:
+            blob = _upgrade(blob)
         if not isinstance(blob, dict) or blob.get("format") != CKPT_FORMAT:
             raise CorruptCheckpoint(f"{path}: not a {CKPT_FORMAT} file")
         missing = [k for k in REQUIRED_KEYS if k not in blob]

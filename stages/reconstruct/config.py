@@ -40,7 +40,6 @@ class NerfParams:
     lr_final: float = 5e-4
     weight_decay: float = 1e-6
     near: float = 0.02
-    use_kernels: Literal["auto", "on", "off"] | bool = "auto"
     # Packed-sample renderer (kernels.march_rays / kernels.composite): "on" everywhere (CUDA kernels on
     # a GPU, their references on the CPU), "auto" where the CUDA kernels run, "off" the dense one.
     fused_render: Literal["auto", "on", "off"] | bool = "auto"
@@ -68,9 +67,14 @@ class NerfParams:
         check(0 < self.lr_final <= self.lr, "lr_final", "must be in (0, lr]", self.lr_final)
         check(self.weight_decay >= 0, "weight_decay", "must be >= 0", self.weight_decay)
         check(self.near >= 0, "near", "must be >= 0", self.near)
-        for key in ("use_kernels", "fused_render", "cuda_graph"):
-            if isinstance(getattr(self, key), bool):  # YAML 1.1 reads a bare on/off as a bool
-                setattr(self, key, "on" if getattr(self, key) else "off")
+        for key in ("fused_render", "cuda_graph"):
+            switch(self, key)
+
+
+def switch(obj, key: str) -> None:
+    """An auto|on|off key that YAML 1.1 read as a bool (a bare on/off) back to "on"/"off"."""
+    if isinstance(getattr(obj, key), bool):
+        setattr(obj, key, "on" if getattr(obj, key) else "off")
 
 
 @dataclass
@@ -96,6 +100,9 @@ class DistributedParams:
     # to overlap and the hooks cost time (2xH200: 1000 steps in 11.3 s with it, 10.1 s without)
     overlap_comm: bool = False
     grad_wire_dtype: Literal["float32", "bfloat16"] = "float32"  # dense buckets sent (and summed) in this type
+    # replicated: every rank holds the whole model (data parallel). partitioned (3DGS, issue 21): each
+    # rank owns a shard of the Gaussians and renders a range of image tiles.
+    mode: Literal["replicated"] = "replicated"
     checkpoint_every: int = 500  # steps; 0 = never
     max_restarts: int = 3  # torchrun restarts of the whole worker group after a failure
     replica_check_every: int = 100  # steps between checksum comparisons; 0 = at checkpoints and the end only
@@ -120,17 +127,96 @@ class DistributedParams:
 
 
 @dataclass
+class GaussianParams:
+    """3D Gaussian Splatting (``reconstruct.gs``). Defaults are the 3DGS reference's (Kerbl et al.
+    2023) as gsplat's simple_trainer uses them, for one image per step."""
+
+    sh_degree: int = 3
+    sh_degree_every: int = 1000  # steps between raising the SH degree by one (from 0)
+    init_opacity: float = 0.1
+    init_scale: float = 1.0  # x the mean distance to the 3 nearest points
+    init_random: int = 100_000  # Gaussians drawn in the scene box when the poses have no sparse points
+    batch_views: int = 1  # views rendered per step per process
+    means_lr: float = 1.6e-4  # x the scene extent, decayed exponentially to means_lr_final
+    means_lr_final: float = 1.6e-6
+    sh0_lr: float = 2.5e-3
+    shN_lr: float = 2.5e-3 / 20
+    opacities_lr: float = 5e-2
+    scales_lr: float = 5e-3
+    quats_lr: float = 1e-3
+    ssim_lambda: float = 0.2  # loss = (1 - l) L1 + l (1 - SSIM)
+    # images with alpha train on a random background colour each step (a fixed one lets
+    # Gaussians paint it); "auto": when the images have alpha
+    random_background: Literal["auto", "on", "off"] | bool = "auto"
+    antialiased: bool = False
+    eps2d: float = 0.3
+    near: float = 0.01
+    far: float = 1e10
+    # where the training images live: "auto" on the GPU when they fit in a quarter of its free
+    # memory, else in pinned CPU memory (copied per step); "cuda" | "cpu" force it
+    images_on: Literal["auto", "cuda", "cpu"] = "auto"
+    max_gaussians: int = 0  # densification stops growing at this many (0 = no budget)
+    refine_start: int = 500
+    refine_stop: int = 15_000
+    refine_every: int = 100
+    reset_every: int = 3000
+    grow_grad2d: float = 2e-4
+    grow_scale3d: float = 0.01
+    prune_opacity: float = 0.005
+    prune_scale3d: float = 0.1
+    absgrad: bool = False
+
+    def __post_init__(self) -> None:
+        check(0 <= self.sh_degree <= 3, "sh_degree", "must be in 0..3", self.sh_degree)
+        check(self.sh_degree_every >= 1, "sh_degree_every", "must be >= 1", self.sh_degree_every)
+        check(0 < self.init_opacity < 1, "init_opacity", "must be in (0, 1)", self.init_opacity)
+        check(self.init_scale > 0, "init_scale", "must be > 0", self.init_scale)
+        check(self.init_random >= 1, "init_random", "must be >= 1", self.init_random)
+        check(self.batch_views >= 1, "batch_views", "must be >= 1", self.batch_views)
+        for key in ("means_lr", "sh0_lr", "shN_lr", "opacities_lr", "scales_lr", "quats_lr"):
+            check(getattr(self, key) > 0, key, "must be > 0", getattr(self, key))
+        check(0 < self.means_lr_final <= self.means_lr, "means_lr_final", "must be in (0, means_lr]",
+              self.means_lr_final)
+        check(0 <= self.ssim_lambda <= 1, "ssim_lambda", "must be in [0, 1]", self.ssim_lambda)
+        switch(self, "random_background")
+        check(self.eps2d >= 0, "eps2d", "must be >= 0", self.eps2d)
+        check(0 < self.near < self.far, "near", "must be > 0 and < far", self.near)
+        check(self.max_gaussians >= 0, "max_gaussians", "must be >= 0 (0 = no budget)", self.max_gaussians)
+        check(self.refine_every >= 1, "refine_every", "must be >= 1", self.refine_every)
+        check(0 <= self.refine_start <= self.refine_stop, "refine_start", "must be in 0..refine_stop",
+              self.refine_start)
+        check(self.reset_every >= 1, "reset_every", "must be >= 1", self.reset_every)
+        check(self.grow_grad2d > 0, "grow_grad2d", "must be > 0", self.grow_grad2d)
+        check(0 < self.prune_opacity < 1, "prune_opacity", "must be in (0, 1)", self.prune_opacity)
+
+
+@dataclass
 class ReconstructParams:
-    method: Literal["nerf"] = "nerf"
+    method: Literal["nerf", "3dgs"] = "nerf"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # CUDA kernels (hash encoding, renderer; rasterizer, SSIM) for every method: "auto" where a GPU
+    # and the NVRTC runtime are present, "on" (an error where they are not), "off" (PyTorch twins)
+    kernels: Literal["auto", "on", "off"] | bool = "auto"
     steps: int = 2500
     batch_rays: int = 4096
     eval_every: int = 250
     tensorboard: bool = True  # scalars in <out>.tb/ while training, kept in <out>/tensorboard/ at the end
     nerf: NerfParams = field(default_factory=NerfParams)
+    gs: GaussianParams = field(default_factory=GaussianParams)
     distributed: DistributedParams = field(default_factory=DistributedParams)
 
     def __post_init__(self) -> None:
         check(self.steps >= 1, "steps", "must be >= 1", self.steps)
         check(self.batch_rays >= 16, "batch_rays", "must be >= 16", self.batch_rays)
         check(self.eval_every >= 1, "eval_every", "must be >= 1", self.eval_every)
+        switch(self, "kernels")
+
+
+def migrate_config(config: dict) -> dict:
+    """A saved ``reconstruct`` config (model.pt, checkpoints) in today's layout: ``nerf.use_kernels``
+    became the shared ``kernels`` switch. Returns a new dict."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in config.items()}
+    nerf = out.get("nerf")
+    if isinstance(nerf, dict) and "use_kernels" in nerf:
+        out.setdefault("kernels", nerf.pop("use_kernels"))
+    return out

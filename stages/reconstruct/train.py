@@ -1,31 +1,36 @@
-"""The training loop, method-agnostic: draw rays, step the method, synchronise, log, checkpoint.
+"""The training loop, method-agnostic: draw a batch, step the method, synchronise, log, checkpoint.
 
 It writes the per-step training curve (``train.csv``: step, loss, psnr, test_psnr, lr,
-elapsed_s, samples_per_s) and returns a summary; the caller writes the outs.
+elapsed_s, samples_per_s) and returns a summary; the caller writes the outs. The method
+(``methods.py``: the hash-grid NeRF, 3DGS) is used only through the :class:`methods.Method`
+members, and the process group only through the parallel strategy (``parallel.py``).
+
+A step, in phases (:class:`Trainer`): the method refreshes shared state (the occupancy grid)
+from a generator every rank shares; each micro-batch is drawn and trained
+(``forward_backward``); the strategy sums the gradients over ranks; a step whose loss or
+gradients are not finite is skipped and counted (the optimizers leave every tensor as it
+was); the optimizers step; ``after_step`` may change the parameter set (densification),
+and then the strategy rebinds its gradient buffers. Then the phases every method shares:
+replica check, log row (with a cheap held-out PSNR every ``eval_every`` steps), checkpoint.
 
 Data parallel over ``ctx.world_size`` processes (one per GPU, or gloo processes on the CPU):
 
-* Each rank draws ``batch_rays`` rays per step in ``micro_batches`` micro-batches.
-  Micro-batch ``m`` of rank ``r`` is shard ``r * micro_batches + m`` of the global batch
-  and draws its rays (and their jitter) from a generator seeded from ``seed`` and that
-  shard index; so one process with two micro-batches draws exactly the rays two
-  processes with one draw, and a world of one draws what the single-process loop always
+* Each rank trains on ``method.batch_size()`` units (rays, views) per step in
+  ``micro_batches`` micro-batches. Micro-batch ``m`` of rank ``r`` is shard
+  ``r * micro_batches + m`` of the global batch and draws from a generator seeded from
+  ``seed`` and that shard index; so one process with two micro-batches draws exactly what
+  two processes with one draw, and a world of one draws what the single-process loop always
   drew (shard 0 = rank 0).
-* Autograd sums the micro-batches' gradients; one :class:`GradReducer` call after the
-  last sums them over ranks; then they are divided by ranks x micro-batches (the
-  gradient of the global batch's mean loss).
+* Autograd sums the micro-batches' gradients; the strategy sums them over ranks; then they
+  are divided by ranks x micro-batches (the gradient of the global batch's mean loss).
 * State that is not parameters (the occupancy grid) is refreshed from a generator that
   is the same on every rank, then broadcast from rank 0, so it cannot drift.
-* The learning rate is multiplied by :func:`distributed.lr_scale` of the world size.
+* Every learning rate is multiplied by :func:`distributed.lr_scale` of the world size.
 * Every ``replica_check_every`` steps, before every checkpoint and at the end, the
   ranks compare checksums of the method's state and fail naming the step and rank.
 * Every ``checkpoint_every`` steps rank 0 writes a checkpoint (with every rank's RNG
-  state); a restarted run resumes from it and continues exactly as an uninterrupted one.
-
-The method is used only through: ``parameters()``, ``state_dict()``,
-``load_state_dict()``, ``optimizer``, ``scheduler`` (optional), ``step_pre_forward(step,
-generator)`` (returns None when it left its state alone), ``loss(o, d, rgb,
-generator)``, ``optimizer_step()``, ``render_rays()``, ``num_params``, ``use_kernels``.
+  state and the optimizers by name); a restarted run resumes from it and continues exactly
+  as an uninterrupted one.
 """
 from __future__ import annotations
 
@@ -44,12 +49,10 @@ from stages.common.params import to_dict
 
 from .checkpoint import CKPT_FORMAT, CheckpointMismatch, CheckpointStore, Expectation
 from .config import ReconstructParams
-from .data import RaySampler, Scene
-from .distributed import (
-    DistContext, GradReducer, all_gather_objects, all_gather_tensor, broadcast_object, broadcast_tensors_,
-    check_replicas, lr_scale, method_buffers, named_state, scale_learning_rates,
-)
-from .nerf.method import NerfMethod
+from .data import Scene
+from .distributed import DistContext, all_gather_objects, all_gather_tensor, broadcast_object, lr_scale, scale_learning_rates
+from .methods import all_optimizer_state, all_scheduler_state, build_method, expectation, load_optimizer_state
+from .parallel import make_strategy
 from .telemetry import MetricsServer, StepTimer, TensorBoardLog
 
 log = logging.getLogger("stages.reconstruct.train")
@@ -62,20 +65,13 @@ _STREAMS = 1_000_003
 _SHARED = _STREAMS - 1
 
 
-def build_method(params: ReconstructParams, aabb: torch.Tensor, device: torch.device,
-                 background: tuple[float, float, float] | None = None) -> NerfMethod:
-    if params.method == "nerf":
-        return NerfMethod(params, aabb, device, background)
-    raise ValueError(f"reconstruct.method: unknown method {params.method!r}")
-
-
 def mse_to_psnr(mse: float) -> float:
     return -10.0 * math.log10(max(mse, 1e-10))
 
 
 @dataclass
 class TrainResult:
-    method: NerfMethod
+    method: object  # a methods.Method
     rows: list[dict] = field(default_factory=list)
     train_time_s: float = 0.0
     samples_per_s: float = 0.0
@@ -87,7 +83,9 @@ class TrainResult:
     resumed_from_step: int | None = None
     step_compute_s: float | None = None  # mean over the run, this rank
     step_comm_s: float | None = None
-    per_rank: list[list[float]] = field(default_factory=list)  # last [samples/s, rays/s, compute, comm, peak GB]
+    per_rank: list[list[float]] = field(default_factory=list)  # last [samples/s, units/s, compute, comm, peak GB]
+    skipped_steps: int = 0  # steps whose loss or gradients were not finite (no update)
+    rebinds: int = 0  # times the parameter set changed (densification) and the reducer was rebuilt
 
     def csv_text(self) -> str:
         buf = io.StringIO()
@@ -108,17 +106,6 @@ def seeded_generator(seed: int, rank: int, device: torch.device) -> torch.Genera
 def shared_generator(seed: int, device: torch.device) -> torch.Generator:
     """The stream every rank draws identically (occupancy-grid refreshes)."""
     return seeded_generator(seed, _SHARED, device)
-
-
-@torch.no_grad()
-def held_out_psnr(method: NerfMethod, scene: Scene, generator: torch.Generator, n_rays: int = 4096) -> float | None:
-    """PSNR on random rays of the test views (a cheap point on the training curve)."""
-    if len(scene.test) == 0:
-        return None
-    sampler = RaySampler(scene.test, generator)
-    o, d, rgb = sampler.sample(n_rays)
-    pred = method.render_rays(o, d)
-    return mse_to_psnr(float(torch.mean((pred - rgb) ** 2)))
 
 
 class _Rng:
@@ -218,6 +205,229 @@ class StepProfiler:
             log.info("profile of steps %d..%d written to %s", self.first, step, out)
 
 
+@torch.no_grad()
+def _nonfinite(loss: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    """[1] float32 on the device, 1 when the step's loss or any gradient holds a NaN or an Inf: one
+    fused check per dtype (GradScaler's, with a scale of 1, which leaves the gradients as they
+    are) and no host sync, so a GPU step is not held up by it."""
+    found = (~torch.isfinite(loss)).float().reshape(1)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    one = torch.ones(1, device=loss.device)
+    for grads in by_dtype.values():
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+    return found
+
+
+class Trainer:
+    """One training run of ``params.method`` on ``scene``; :meth:`run` is the loop (see the module docstring)."""
+
+    def __init__(self, params: ReconstructParams, scene: Scene, device: torch.device, seed: int, progress: bool,
+                 ctx: DistContext, checkpoints: CheckpointStore | None, metrics: MetricsServer | None,
+                 tensorboard: TensorBoardLog | None):
+        self.params, self.device, self.seed, self.ctx = params, device, seed, ctx
+        self.checkpoints, self.metrics, self.tensorboard = checkpoints, metrics, tensorboard
+        dp = params.distributed
+        self.M, self.world = dp.micro_batches, ctx.world_size
+        torch.manual_seed(seed * _STREAMS)  # every rank initialises as rank 0 would (and rank 0's copy is broadcast)
+        self.method = method = build_method(params, scene.aabb, device, scene.background, scene)
+        batch = method.batch_size()
+        if batch % self.M:
+            raise ValueError(f"the batch ({batch} per process) must be a multiple of "
+                             f"reconstruct.distributed.micro_batches ({self.M})")
+        self.micro = batch // self.M
+        self.factor = lr_scale(dp.lr_scaling, self.world)
+        for name, opt in method.optimizers.items():
+            scale_learning_rates(opt, method.schedulers.get(name), self.factor)
+        torch.manual_seed(seed * _STREAMS + ctx.rank)
+        self.rng = _Rng(seed, ctx, self.M, device if device.type == "cuda" else torch.device("cpu"))
+        self.train_views = scene.train.to(device)
+        self.test_views = scene.test.to(device)
+        self.samplers = [method.make_sampler(self.train_views, g) for g in self.rng.shards]
+        self.strategy = make_strategy(ctx, dp)
+        self.res = TrainResult(method, world_size=self.world, lr_scale=self.factor)
+        self.start, self.prior_elapsed, self.prior_samples = 0, 0.0, 0.0
+        resumed = self._resume()
+        self.strategy.start(method, resumed)
+        self.skipped = torch.zeros((), dtype=torch.int64, device=device)  # counted on the device: no sync
+
+    # ------------------------------------------------------------ checkpoints
+
+    def _resume(self) -> bool:
+        if self.checkpoints is None:
+            return False
+        blob = _resume(self.checkpoints, expectation(self.params, self.seed, self.world), self.ctx)
+        if blob is None:
+            return False
+        m = self.method
+        m.load_state_dict(blob["state"])
+        load_optimizer_state(m, blob["optimizers"], blob.get("schedulers"))
+        self.rng.restore(blob["rng"][self.ctx.rank])
+        self.start = int(blob["step"])
+        prog = blob.get("progress") or {}
+        self.res.rows = list(prog.get("rows", []))
+        self.prior_elapsed, self.prior_samples = float(prog.get("elapsed_s", 0.0)), float(prog.get("samples", 0.0))
+        self.res.resumed_from_step = self.start
+        self.res.skipped_steps = int(prog.get("skipped_steps", 0))
+        if self.ctx.is_main:
+            log.info("resumed from %s: step %d of %d", blob.get("_path"), self.start, self.params.steps)
+        return True
+
+    def _save_checkpoint(self, done: int, elapsed: float, samples: float) -> None:
+        rngs = all_gather_objects(self.ctx, self.rng.state())
+        if not self.strategy.saves:
+            return
+        m, p = self.method, self.params
+        self.checkpoints.save({
+            "format": CKPT_FORMAT, "method": p.method, "method_version": m.VERSION, "config": to_dict(p),
+            "seed": self.seed, "world_size": self.world, "step": done, "lr_scale": self.factor,
+            "state": m.state_dict(), "optimizers": all_optimizer_state(m), "schedulers": all_scheduler_state(m),
+            "rng": rngs,
+            "progress": {"rows": self.res.rows, "elapsed_s": elapsed, "samples": samples,
+                         "skipped_steps": self.res.skipped_steps + int(self.skipped)},
+        })
+        log.debug("checkpoint of step %d written to %s", done, self.checkpoints.folder)
+
+    # ------------------------------------------------------------ one step
+
+    def step(self, step: int, timer: StepTimer) -> tuple[torch.Tensor, torch.Tensor]:
+        """Train one step; returns [loss, mse, work] summed over micro-batches and ranks, and this
+        rank's work alone (device tensors)."""
+        m, strategy = self.method, self.strategy
+        timer.begin_step()
+        if m.step_pre_forward(step, self.rng.grid) is not None and self.ctx.active:
+            timer.comm_begin()
+            strategy.sync_buffers(m)
+            timer.comm_end()
+        strategy.begin_step()
+        acc = None
+        for k in range(self.M):
+            batch = self.samplers[k].sample(self.micro)
+            info = m.forward_backward(batch, self.rng.shards[k],
+                                      strategy.last_backward_hook() if k == self.M - 1 else None)
+            row = torch.stack([info["loss"].float().reshape(()), info["mse"].float().reshape(()),
+                               torch.as_tensor(info["num_samples"], device=info["mse"].device).float().reshape(())])
+            acc = row if acc is None else acc + row  # stays on the device: no sync
+        timer.comm_begin()
+        extras = strategy.reduce(1.0 / (self.M * self.world), acc)
+        timer.comm_end()
+        bad = _nonfinite(extras[0], m.parameters())
+        self.skipped += bad.to(self.skipped.dtype).reshape(())
+        m.optimizer_step(step, bad)
+        if m.after_step(step, strategy):
+            strategy.rebind(m)
+            self.res.rebinds += 1
+        timer.end_step()
+        return extras, acc[2]
+
+    # ------------------------------------------------------------ the loop
+
+    def run(self, progress: bool) -> TrainResult:
+        p, ctx, m, res = self.params, self.ctx, self.method, self.res
+        dp = p.distributed
+        if ctx.is_main:
+            log.info(
+                "training %s on %s for %d steps: %d train / %d test views at %dx%d, %d parameters, kernels %s; "
+                "%d process(es) x %d %s (%d micro-batch(es)) per step, lr x %.3g (%s)",
+                p.method, self.device, p.steps, len(self.train_views), len(self.test_views),
+                self.train_views.intr.width, self.train_views.intr.height, m.num_params,
+                "on" if m.use_kernels else "off", self.world, m.batch_size(), m.UNIT, self.M, self.factor,
+                dp.lr_scaling,
+            )
+        timer = StepTimer(self.device)
+        sums = torch.zeros(3, device=self.device)  # [loss, mse, work] summed over ranks and steps of this session
+        local_acc = torch.zeros((), dtype=torch.float64, device=self.device)  # this rank's work, on the device
+        run_compute = run_comm = 0.0
+        run_steps = 0
+        mark_t, mark_samples, mark_step = time.perf_counter(), 0, self.start
+        t0 = time.perf_counter()
+        bar = tqdm(range(self.start, p.steps), desc="reconstruct", unit="step", initial=self.start, total=p.steps,
+                   disable=not (progress and ctx.is_main), mininterval=2.0)
+        prof = StepProfiler(ctx.rank, self.device)
+        scale = self.M * self.world
+        reported_skips = 0
+        for step in bar:
+            done = step + 1
+            prof.at(step)
+            extras, mine = self.step(step, timer)
+            sums += extras.to(sums.device)
+            local_acc += mine
+
+            last = done == p.steps
+            ckpt_now = (self.checkpoints is not None and dp.checkpoint_every > 0 and done % dp.checkpoint_every == 0
+                        and not last)
+            if ckpt_now or last or (dp.replica_check_every and done % dp.replica_check_every == 0):
+                self.strategy.check(m, done)
+
+            if step % LOG_EVERY == 0 or last or done % p.eval_every == 0:
+                loss_now = float(extras[0]) / scale
+                mse_now = float(extras[1]) / scale
+                elapsed = self.prior_elapsed + time.perf_counter() - t0
+                row = {
+                    "step": done,
+                    "loss": round(loss_now, 6),
+                    "psnr": round(mse_to_psnr(mse_now), 3),
+                    "test_psnr": None,
+                    "lr": next(iter(m.optimizers.values())).param_groups[0]["lr"],
+                    "elapsed_s": round(elapsed, 2),
+                    "samples_per_s": round((self.prior_samples + float(sums[2])) / max(elapsed, 1e-9)),
+                }
+                # per-rank throughput and the compute / communication split since the last row
+                comp, comm, n = timer.flush()
+                run_compute, run_comm, run_steps = run_compute + comp, run_comm + comm, run_steps + n
+                wall = max(time.perf_counter() - mark_t, 1e-9)
+                local_samples = float(local_acc)
+                peak_gb = torch.cuda.max_memory_allocated(self.device) / 1e9 if self.device.type == "cuda" else 0.0
+                mine = torch.tensor([(local_samples - mark_samples) / wall,
+                                     (done - mark_step) * m.batch_size() / wall,
+                                     comp / max(n, 1), comm / max(n, 1), peak_gb], dtype=torch.float64,
+                                    device=ctx.device if ctx.backend == "nccl" else "cpu")
+                res.per_rank = all_gather_tensor(ctx, mine).cpu().tolist()
+                mark_t, mark_samples, mark_step = time.perf_counter(), local_samples, done
+                if ctx.is_main and ((done % p.eval_every == 0) or last):
+                    tp = m.quick_test_psnr(self.test_views, self.rng.eval)
+                    row["test_psnr"] = None if tp is None else round(tp, 3)
+                    log.info("step %d/%d loss %.5f train psnr %.2f test psnr %s (%.1f s)", done, p.steps,
+                             loss_now, row["psnr"], "n/a" if tp is None else f"{tp:.2f}", elapsed)
+                    if self.world > 1:
+                        log.info("per rank: %s", "; ".join(
+                            f"rank {r}: {sps:,.0f} samples/s, step {1e3 * (c + cm):.1f} ms = {1e3 * c:.1f} compute "
+                            f"+ {1e3 * cm:.1f} comm" for r, (sps, _, c, cm, *_) in enumerate(res.per_rank)))
+                skipped = int(self.skipped)
+                if skipped > reported_skips:
+                    log.warning("%d step(s) so far had a non-finite loss or gradient and were skipped "
+                                "(no parameter changed in them)", res.skipped_steps + skipped)
+                    reported_skips = skipped
+                res.rows.append(row)
+                if self.metrics is not None:
+                    self.metrics.update(done, loss_now, row["psnr"], row["test_psnr"], res.per_rank)
+                if self.tensorboard is not None:
+                    self.tensorboard.update(row, res.per_rank)
+                bar.set_postfix(loss=f"{loss_now:.4f}", psnr=f"{row['psnr']:.2f}")
+
+            if ckpt_now:
+                self._save_checkpoint(done, self.prior_elapsed + time.perf_counter() - t0,
+                                      self.prior_samples + float(sums[2]))
+        bar.close()
+        prof.at(p.steps)
+        self.strategy.close()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        comp, comm, n = timer.flush()
+        run_compute, run_comm, run_steps = run_compute + comp, run_comm + comm, run_steps + n
+        res.train_time_s = self.prior_elapsed + time.perf_counter() - t0
+        res.samples_per_s = (self.prior_samples + float(sums[2])) / max(res.train_time_s, 1e-9)
+        res.rays_per_s = p.steps * m.batch_size() * self.world / max(res.train_time_s, 1e-9)
+        res.skipped_steps += int(self.skipped)
+        if run_steps:
+            res.step_compute_s, res.step_comm_s = run_compute / run_steps, run_comm / run_steps
+        res.final_psnr = res.rows[-1]["psnr"]
+        res.final_test_psnr = res.rows[-1]["test_psnr"]
+        return res
+
+
 def train(
     params: ReconstructParams,
     scene: Scene,
@@ -239,164 +449,4 @@ def train(
         tensorboard: rank 0's TensorBoard scalars (None: off).
     """
     ctx = ctx or DistContext(device=device)
-    dp = params.distributed
-    M, world = dp.micro_batches, ctx.world_size
-    if params.batch_rays % M:
-        raise ValueError(f"reconstruct.batch_rays ({params.batch_rays}) must be a multiple of "
-                         f"reconstruct.distributed.micro_batches ({M})")
-    micro_rays = params.batch_rays // M
-    torch.manual_seed(seed * _STREAMS)  # every rank initialises as rank 0 would (and rank 0's copy is broadcast)
-    method = build_method(params, scene.aabb, device, scene.background)
-    scheduler = getattr(method, "scheduler", None)
-    factor = lr_scale(dp.lr_scaling, world)
-    scale_learning_rates(method.optimizer, scheduler, factor)
-    torch.manual_seed(seed * _STREAMS + ctx.rank)
-    rng = _Rng(seed, ctx, M, device if device.type == "cuda" else torch.device("cpu"))
-    train_views = scene.train.to(device)
-    test_views = scene.test.to(device)
-    scene_dev = Scene(train_views, test_views, scene.aabb, scene.background)
-    samplers = [RaySampler(train_views, g) for g in rng.shards]
-    reducer = GradReducer(method.parameters(), ctx, dp.grad_sync, overlap=dp.overlap_comm,
-                          wire_dtype=None if dp.grad_wire_dtype == "float32" else getattr(torch, dp.grad_wire_dtype))
-
-    res = TrainResult(method, world_size=world, lr_scale=factor)
-    start, prior_elapsed, prior_samples = 0, 0.0, 0.0
-    blob = None
-    if checkpoints is not None:
-        expect = Expectation(params.method, to_dict(params), seed, world)
-        blob = _resume(checkpoints, expect, ctx)
-    if blob is not None:
-        method.load_state_dict(blob["state"])
-        method.optimizer.load_state_dict(blob["optimizer"])
-        if scheduler is not None and blob.get("scheduler") is not None:
-            scheduler.load_state_dict(blob["scheduler"])
-        rng.restore(blob["rng"][ctx.rank])
-        start = int(blob["step"])
-        prog = blob.get("progress") or {}
-        res.rows = list(prog.get("rows", []))
-        prior_elapsed, prior_samples = float(prog.get("elapsed_s", 0.0)), float(prog.get("samples", 0.0))
-        res.resumed_from_step = start
-        if ctx.is_main:
-            log.info("resumed from %s: step %d of %d", blob.get("_path"), start, params.steps)
-        del blob
-    elif ctx.active:  # identical replicas from the start, whatever each rank's RNG did
-        broadcast_tensors_(ctx, [p.data for p in method.parameters()] + [t for _, t in method_buffers(method)])
-
-    if ctx.is_main:
-        log.info(
-            "training %s on %s for %d steps: %d train / %d test views at %dx%d, %d parameters, kernels %s; "
-            "%d process(es) x %d rays (%d micro-batch(es)) = %d rays per step, lr x %.3g (%s)",
-            params.method, device, params.steps, len(train_views), len(test_views), scene.train.intr.width,
-            scene.train.intr.height, method.num_params, "on" if method.use_kernels else "off", world,
-            params.batch_rays, M, params.batch_rays * world, factor, dp.lr_scaling,
-        )
-    timer = StepTimer(device)
-    sums = torch.zeros(2, device=device)  # [loss, samples] summed over ranks and steps of this session
-    local_acc = torch.zeros((), dtype=torch.float64, device=device)  # this rank's samples, summed on the device
-    run_compute = run_comm = 0.0
-    run_steps = 0
-    mark_t, mark_samples, mark_step = time.perf_counter(), 0, start
-    t0 = time.perf_counter()
-    bar = tqdm(range(start, params.steps), desc="reconstruct", unit="step", initial=start, total=params.steps,
-               disable=not (progress and ctx.is_main), mininterval=2.0)
-    prof = StepProfiler(ctx.rank, device)
-    for step in bar:
-        done = step + 1
-        prof.at(step)
-        timer.begin_step()
-        if method.step_pre_forward(step, rng.grid) is not None and ctx.active:
-            timer.comm_begin()
-            broadcast_tensors_(ctx, [t for _, t in method_buffers(method)])
-            timer.comm_end()
-        reducer.attach()  # gradients accumulate straight into the all-reduce buffers
-        loss_acc = samples_acc = None
-        for m in range(M):
-            o, d, rgb = samplers[m].sample(micro_rays)
-            # on the last micro-batch, gradient buckets start their all-reduce as backward completes them
-            info = method.forward_backward(o, d, rgb, rng.shards[m], reducer.arm if m == M - 1 else None)
-            mse = info["mse"].float().reshape(())
-            ns = torch.as_tensor(info["num_samples"], device=mse.device).float().reshape(())
-            loss_acc = mse if loss_acc is None else loss_acc + mse
-            samples_acc = ns if samples_acc is None else samples_acc + ns  # stays on the device: no sync
-        extras = torch.stack([loss_acc, samples_acc])
-        timer.comm_begin()
-        extras = reducer.reduce(1.0 / (M * world), extras)
-        timer.comm_end()
-        method.optimizer_step()
-        timer.end_step()
-        sums += extras.to(sums.device)
-        local_acc += samples_acc
-
-        last = done == params.steps
-        ckpt_now = (checkpoints is not None and dp.checkpoint_every > 0 and done % dp.checkpoint_every == 0
-                    and not last)
-        if ctx.active and (ckpt_now or last or (dp.replica_check_every and done % dp.replica_check_every == 0)):
-            check_replicas(ctx, named_state(method), done)
-
-        if step % LOG_EVERY == 0 or last or done % params.eval_every == 0:
-            loss_now = float(extras[0]) / (M * world)
-            elapsed = prior_elapsed + time.perf_counter() - t0
-            row = {
-                "step": done,
-                "loss": round(loss_now, 6),
-                "psnr": round(mse_to_psnr(loss_now), 3),
-                "test_psnr": None,
-                "lr": method.optimizer.param_groups[0]["lr"],
-                "elapsed_s": round(elapsed, 2),
-                "samples_per_s": round((prior_samples + float(sums[1])) / max(elapsed, 1e-9)),
-            }
-            # per-rank throughput and the compute / communication split since the last row
-            comp, comm, n = timer.flush()
-            run_compute, run_comm, run_steps = run_compute + comp, run_comm + comm, run_steps + n
-            wall = max(time.perf_counter() - mark_t, 1e-9)
-            local_samples = float(local_acc)
-            peak_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0
-            mine = torch.tensor([(local_samples - mark_samples) / wall, (done - mark_step) * params.batch_rays / wall,
-                                 comp / max(n, 1), comm / max(n, 1), peak_gb], dtype=torch.float64,
-                                device=ctx.device if ctx.backend == "nccl" else "cpu")
-            res.per_rank = all_gather_tensor(ctx, mine).cpu().tolist()
-            mark_t, mark_samples, mark_step = time.perf_counter(), local_samples, done
-            if ctx.is_main and ((done % params.eval_every == 0) or last):
-                tp = held_out_psnr(method, scene_dev, rng.eval)
-                row["test_psnr"] = None if tp is None else round(tp, 3)
-                log.info("step %d/%d loss %.5f train psnr %.2f test psnr %s (%.1f s)", done, params.steps,
-                         loss_now, row["psnr"], "n/a" if tp is None else f"{tp:.2f}", elapsed)
-                if world > 1:
-                    log.info("per rank: %s", "; ".join(
-                        f"rank {r}: {sps:,.0f} samples/s, step {1e3 * (c + cm):.1f} ms = {1e3 * c:.1f} compute + "
-                        f"{1e3 * cm:.1f} comm" for r, (sps, _, c, cm, *_) in enumerate(res.per_rank)))
-            res.rows.append(row)
-            if metrics is not None:
-                metrics.update(done, loss_now, row["psnr"], row["test_psnr"], res.per_rank)
-            if tensorboard is not None:
-                tensorboard.update(row, res.per_rank)
-            bar.set_postfix(loss=f"{loss_now:.4f}", psnr=f"{row['psnr']:.2f}")
-
-        if ckpt_now:
-            rngs = all_gather_objects(ctx, rng.state())
-            if ctx.is_main:
-                checkpoints.save({
-                    "format": CKPT_FORMAT, "method": params.method, "config": to_dict(params), "seed": seed,
-                    "world_size": world, "step": done, "lr_scale": factor,
-                    "state": method.state_dict(), "optimizer": method.optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                    "rng": rngs,
-                    "progress": {"rows": res.rows, "elapsed_s": prior_elapsed + time.perf_counter() - t0,
-                                 "samples": prior_samples + float(sums[1])},
-                })
-                log.debug("checkpoint of step %d written to %s", done, checkpoints.folder)
-    bar.close()
-    prof.at(params.steps)
-    reducer.close()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    comp, comm, n = timer.flush()
-    run_compute, run_comm, run_steps = run_compute + comp, run_comm + comm, run_steps + n
-    res.train_time_s = prior_elapsed + time.perf_counter() - t0
-    res.samples_per_s = (prior_samples + float(sums[1])) / max(res.train_time_s, 1e-9)
-    res.rays_per_s = params.steps * params.batch_rays * world / max(res.train_time_s, 1e-9)
-    if run_steps:
-        res.step_compute_s, res.step_comm_s = run_compute / run_steps, run_comm / run_steps
-    res.final_psnr = res.rows[-1]["psnr"]
-    res.final_test_psnr = res.rows[-1]["test_psnr"]
-    return res
+    return Trainer(params, scene, device, seed, progress, ctx, checkpoints, metrics, tensorboard).run(progress)

@@ -1,9 +1,7 @@
 """The hash-grid NeRF as a trainable method: model, optimizer, one training step, rendering.
 
-The training loop (``stages/reconstruct/train.py``) only sees this interface, so a
-second method (3D Gaussian Splatting) slots in beside it with the same members:
-``parameters``, ``optimizer``, ``step_pre_forward``, ``forward_backward``, ``optimizer_step``,
-``render_image``, ``state_dict``, ``load_state_dict``, ``num_params``.
+It implements :class:`stages.reconstruct.methods.Method` (the members the training loop,
+checkpoints and evaluation call); its batches are random rays of the training views.
 """
 from __future__ import annotations
 
@@ -14,7 +12,8 @@ import torch
 from stages.common.cameras import Intrinsics
 
 from ..config import NerfParams, ReconstructParams
-from ..data import image_rays
+from ..data import RaySampler, image_rays
+from ..methods import step_optimizers
 from .field import NerfField
 from .occupancy import OccupancyGrid
 from .render import render_packed, render_rays, sample_jitter
@@ -37,14 +36,17 @@ class NerfMethod:
     """Hash-grid NeRF with an occupancy grid, trained with Adam on random rays."""
 
     name = "nerf"
+    VERSION = 1
+    UNIT = "rays"
+    OPERATIONAL_KEYS = frozenset({"kernels", "nerf.use_kernels", "nerf.fused_render", "nerf.cuda_graph"})
 
     def __init__(self, params: ReconstructParams, aabb: torch.Tensor, device: torch.device,
-                 background: tuple[float, float, float] | None = None):
+                 background: tuple[float, float, float] | None = None, scene=None):
         cfg: NerfParams = params.nerf
         self.cfg = cfg
         self.params = params
         self.device = device
-        self.use_kernels = resolve_use_kernels(cfg.use_kernels, device)
+        self.use_kernels = resolve_use_kernels(params.kernels, device)
         self.fused = cfg.fused_render == "on" or (cfg.fused_render == "auto" and self.use_kernels)
         self.graphed = self._captured_step(cfg.cuda_graph, params.distributed.overlap_comm)
         self.field = NerfField(cfg, aabb, use_kernels=self.use_kernels).to(device)
@@ -74,6 +76,8 @@ class NerfMethod:
             return math.exp(decay * min(1.0, (step - warmup) / max(1, steps - warmup)))
 
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.optimizers = {"field": self.optimizer}
+        self.schedulers = {"field": self.scheduler}
 
     def _captured_step(self, setting: str, overlap_comm: bool):
         """The CUDA-graph training step (nerf/graph.py), or None for eager steps."""
@@ -97,6 +101,12 @@ class NerfMethod:
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.field.parameters())
+
+    def batch_size(self) -> int:
+        return self.params.batch_rays
+
+    def make_sampler(self, views, generator: torch.Generator) -> RaySampler:
+        return RaySampler(views, generator)
 
     def occ_schedule(self) -> tuple[int, int, int]:
         """(refresh every, warm-up steps, all-cells steps) of the occupancy grid in training steps:
@@ -134,15 +144,17 @@ class NerfMethod:
                             self.cfg.near, capacity=capacity)
         return torch.nn.functional.mse_loss(out["rgb"], rgb), out
 
-    def forward_backward(self, o, d, rgb, generator: torch.Generator, before_backward=None) -> dict:
-        """One micro-batch: the loss's gradients are added to the parameters' ``.grad``; returns
-        ``mse`` and ``num_samples`` (device tensors). ``before_backward`` is called between the
-        forward and the backward of an eager step (a replayed graph step has no such point)."""
+    def forward_backward(self, batch, generator: torch.Generator, before_backward=None) -> dict:
+        """One micro-batch of rays ``(o, d, rgb)``: the loss's gradients are added to the parameters'
+        ``.grad``; returns ``loss`` (= ``mse``) and ``num_samples`` (device tensors).
+        ``before_backward`` is called between the forward and the backward of an eager step (a
+        replayed graph step has no such point)."""
+        o, d, rgb = batch
         if self.graphed is not None:
             jitter = sample_jitter(o.shape[0], True, generator, self.device)  # as render_rays draws it
             got = self.graphed(o, d, rgb, jitter)
             if got is not None:
-                return {"mse": got[0], "num_samples": got[1]}
+                return {"loss": got[0], "mse": got[0], "num_samples": got[1]}
             # no sample count yet to size the graph's budget: this step runs eagerly and gives one
             loss, out = self.packed_loss(o, d, rgb, jitter)
             self.graphed.observe(int(out["num_samples"]))
@@ -152,12 +164,29 @@ class NerfMethod:
         if before_backward is not None:
             before_backward()
         loss.backward()
-        return info
+        return {"loss": info["mse"], **info}
 
-    def optimizer_step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+    def optimizer_step(self, step: int, skip: torch.Tensor) -> None:
+        step_optimizers(self.optimizers, self.schedulers, skip)
+
+    def after_step(self, step: int, strategy) -> bool:
+        return False  # the parameter set never changes
+
+    @torch.no_grad()
+    def quick_test_psnr(self, views, generator: torch.Generator, n_rays: int = 4096) -> float | None:
+        """PSNR on random rays of the test views (a cheap point on the training curve)."""
+        if len(views) == 0:
+            return None
+        o, d, rgb = RaySampler(views, generator).sample(n_rays)
+        pred = self.render_rays(o, d)
+        return -10.0 * math.log10(max(float(torch.mean((pred - rgb) ** 2)), 1e-10))
+
+    def summary(self) -> dict:
+        g = self.graphed
+        graph = None if g is None else {
+            "captures": g.captures, "budget_samples": g.capacity, "max_samples_seen": g.max_count,
+            "overflow_steps": g.overflow_steps, "failed": g.failed, "events": [list(e) for e in g.events]}
+        return {"kernels": self.use_kernels, "fused_render": self.fused, "cuda_graph": graph}
 
     @torch.no_grad()
     def render_rays(self, o: torch.Tensor, d: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
