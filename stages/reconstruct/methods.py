@@ -53,7 +53,11 @@ class Method(Protocol):
     def batch_size(self) -> int:
         """Units (rays, views) one rank trains on per step; split into micro-batches."""
 
-    def make_sampler(self, views, generator: torch.Generator) -> BatchSampler: ...
+    def place(self, views):
+        """The training views where the method trains on them (the device, or pinned CPU memory)."""
+
+    def make_sampler(self, views, generator: torch.Generator) -> BatchSampler:
+        """This shard's sampler; one with a ``seek(units_drawn)`` is told where a resumed run is."""
 
     def step_pre_forward(self, step: int, generator: torch.Generator) -> torch.Tensor | None:
         """Refresh shared state before the step (same generator on every rank); not None when
@@ -82,6 +86,20 @@ class Method(Protocol):
 
     def summary(self) -> dict:
         """Method-specific figures for ``summary.json``."""
+
+
+def resolve_use_kernels(setting: str, device: torch.device) -> bool:
+    """Whether a method runs the CUDA kernels (``reconstruct.kernels``): ``auto`` means on a GPU
+    where the NVRTC runtime works."""
+    import kernels
+
+    if setting == "off":
+        return False
+    can = device.type == "cuda" and kernels.available()
+    if setting == "on" and not can:
+        raise ValueError("reconstruct.kernels is 'on' but CUDA kernels cannot run here "
+                         f"(device {device}, kernels.available()={kernels.available()})")
+    return can
 
 
 def method_class(name: str):

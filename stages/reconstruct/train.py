@@ -243,13 +243,17 @@ class Trainer:
             scale_learning_rates(opt, method.schedulers.get(name), self.factor)
         torch.manual_seed(seed * _STREAMS + ctx.rank)
         self.rng = _Rng(seed, ctx, self.M, device if device.type == "cuda" else torch.device("cpu"))
-        self.train_views = scene.train.to(device)
+        self.train_views = method.place(scene.train)
         self.test_views = scene.test.to(device)
         self.samplers = [method.make_sampler(self.train_views, g) for g in self.rng.shards]
         self.strategy = make_strategy(ctx, dp)
         self.res = TrainResult(method, world_size=self.world, lr_scale=self.factor)
         self.start, self.prior_elapsed, self.prior_samples = 0, 0.0, 0.0
         resumed = self._resume()
+        if resumed:
+            for s in self.samplers:
+                if hasattr(s, "seek"):  # samplers whose position is not in their generator's state
+                    s.seek(self.start * self.micro)
         self.strategy.start(method, resumed)
         self.skipped = torch.zeros((), dtype=torch.int64, device=device)  # counted on the device: no sync
 

@@ -13,23 +13,10 @@ from stages.common.cameras import Intrinsics
 
 from ..config import NerfParams, ReconstructParams
 from ..data import RaySampler, image_rays
-from ..methods import step_optimizers
+from ..methods import resolve_use_kernels, step_optimizers
 from .field import NerfField
 from .occupancy import OccupancyGrid
 from .render import render_packed, render_rays, sample_jitter
-
-
-def resolve_use_kernels(setting: str, device: torch.device) -> bool:
-    """Whether the hash encoding runs the CUDA kernel: ``auto`` means on a GPU when possible."""
-    import kernels
-
-    if setting == "off":
-        return False
-    can = device.type == "cuda" and kernels.available()
-    if setting == "on" and not can:
-        raise ValueError("reconstruct.nerf.use_kernels is 'on' but CUDA kernels cannot run here "
-                         f"(device {device}, kernels.available()={kernels.available()})")
-    return can
 
 
 class NerfMethod:
@@ -104,6 +91,9 @@ class NerfMethod:
 
     def batch_size(self) -> int:
         return self.params.batch_rays
+
+    def place(self, views):
+        return views.to(self.device)
 
     def make_sampler(self, views, generator: torch.Generator) -> RaySampler:
         return RaySampler(views, generator)

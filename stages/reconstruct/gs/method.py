@@ -1,0 +1,301 @@
+"""3D Gaussian Splatting as a trainable method (Kerbl et al. 2023), through the project's rasterizer.
+
+It implements :class:`stages.reconstruct.methods.Method`. A batch is ``gs.batch_views`` training
+views of this rank; each is rendered whole (``kernels.rasterization``: CUDA kernels on a GPU,
+their PyTorch twins on the CPU) and scored with ``(1 - l) L1 + l (1 - SSIM)``. After the
+optimizer step the densification strategy (``densify.py``) reads the view-space gradients of the
+projected means, and every ``refine_every`` steps clones, splits and prunes Gaussians; the
+parameter set then changes, and the loop's parallel strategy rebinds its gradient buffers.
+
+With several ranks every rank renders its own views; the densification statistics are summed
+(gradients, counts) or maxed (radii) over ranks before a decision, and the split samples come
+from the generator every rank shares, so every replica densifies identically (the replica check
+verifies it).
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from stages.common.cameras import Intrinsics
+
+from ..methods import resolve_use_kernels, step_optimizers
+from .densify import DensifyParams, DensifyStrategy
+from .model import NAMES, init_gaussians, make_optimizers, scene_extent, sh_degree_at
+
+log = logging.getLogger("stages.reconstruct.gs")
+
+
+def _viewmats(c2w: torch.Tensor) -> torch.Tensor:
+    """World-to-camera [V, 4, 4] of camera-to-world [V, 4, 4] (OpenCV axes)."""
+    R, t = c2w[:, :3, :3], c2w[:, :3, 3:]
+    out = torch.zeros_like(c2w)
+    out[:, :3, :3] = R.transpose(1, 2)
+    out[:, :3, 3:] = -R.transpose(1, 2) @ t
+    out[:, 3, 3] = 1.0
+    return out
+
+
+def _K(intr: Intrinsics, device) -> torch.Tensor:
+    return torch.tensor([[intr.fx, 0.0, intr.cx], [0.0, intr.fy, intr.cy], [0.0, 0.0, 1.0]], device=device)
+
+
+class ViewSampler:
+    """Training views in random order, epoch after epoch without repeats (as the reference's
+    shuffled loader). The order of epoch ``e`` is a permutation drawn from a generator seeded
+    from this shard's seed and ``e``, so the position alone (units drawn) says where a resumed
+    run continues: :meth:`seek`."""
+
+    def __init__(self, n_views: int, generator: torch.Generator):
+        self.n = n_views
+        self.seed = generator.initial_seed()
+        self.drawn = 0
+        self._epoch, self._perm = -1, None
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+            self._epoch, self._perm = epoch, torch.randperm(self.n, generator=g)
+        return self._perm
+
+    def sample(self, k: int) -> list[int]:
+        out = []
+        for _ in range(k):
+            epoch, pos = divmod(self.drawn, self.n)
+            out.append(int(self._order(epoch)[pos]))
+            self.drawn += 1
+        return out
+
+    def seek(self, drawn: int) -> None:
+        self.drawn = drawn
+
+
+class GaussianMethod:
+    """3D Gaussians with SH colours, trained with one Adam per parameter and adaptive density control."""
+
+    name = "3dgs"
+    VERSION = 1
+    UNIT = "views"
+    OPERATIONAL_KEYS = frozenset({"kernels", "gs.images_on"})
+
+    def __init__(self, params, aabb: torch.Tensor, device: torch.device,
+                 background: tuple[float, float, float] | None = None, scene=None):
+        cfg = params.gs
+        self.cfg, self.params, self.device = cfg, params, device
+        self.use_kernels = resolve_use_kernels(params.kernels, device)
+        self.aabb = aabb.to(device)
+        self.background = None if background is None else torch.tensor(background, dtype=torch.float32,
+                                                                         device=device)
+        if scene is not None:
+            pts = None if scene.points is None else scene.points.to(device)
+            rgb = None if scene.point_rgb is None else scene.point_rgb.to(device)
+            g = torch.Generator(device=device).manual_seed(torch.initial_seed())
+            self.gaussians = init_gaussians(pts, rgb, self.aabb, sh_degree=cfg.sh_degree,
+                                            init_opacity=cfg.init_opacity, init_scale=cfg.init_scale,
+                                            n_random=cfg.init_random, generator=g)
+            self.extent = scene_extent(scene.train.c2w)
+            source = "sparse points" if pts is not None and len(pts) else f"{cfg.init_random} random in the box"
+            log.info("3DGS: %d Gaussians from %s, scene extent %.3f", self.n, source, self.extent)
+        else:  # a state dict follows (load_state_dict)
+            self.gaussians = init_gaussians(None, None, self.aabb, sh_degree=cfg.sh_degree, n_random=1,
+                                            generator=torch.Generator(device=device).manual_seed(0))
+            self.extent = 1.0
+        self.optimizers = make_optimizers(
+            self.gaussians, means_lr=cfg.means_lr, scene_extent=self.extent, sh0_lr=cfg.sh0_lr, shN_lr=cfg.shN_lr,
+            opacities_lr=cfg.opacities_lr, scales_lr=cfg.scales_lr, quats_lr=cfg.quats_lr,
+            batch_views=cfg.batch_views, fused=device.type == "cuda")
+        gamma = (cfg.means_lr_final / cfg.means_lr) ** (1.0 / max(1, params.steps))
+        self.schedulers = {"means": torch.optim.lr_scheduler.ExponentialLR(self.optimizers["means"], gamma)}
+        self.densify = DensifyStrategy(DensifyParams(
+            refine_start=cfg.refine_start, refine_stop=cfg.refine_stop, refine_every=cfg.refine_every,
+            reset_every=cfg.reset_every, grow_grad2d=cfg.grow_grad2d, grow_scale3d=cfg.grow_scale3d,
+            prune_opa=cfg.prune_opacity, prune_scale3d=cfg.prune_scale3d, absgrad=cfg.absgrad,
+            max_gaussians=cfg.max_gaussians))
+        self._metas: list[dict] = []
+        self._budget_logged = False
+        self.densify_log: list[dict] = []
+        self._has_alpha = False
+
+    # ------------------------------------------------------------ the Method members
+
+    @property
+    def n(self) -> int:
+        return int(self.gaussians["means"].shape[0])
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.gaussians.values())
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [self.gaussians[k] for k in NAMES]
+
+    def batch_size(self) -> int:
+        return self.cfg.batch_views
+
+    def place(self, views):
+        """The training images on the GPU when they fit (a quarter of the free memory), else pinned."""
+        where = self.cfg.images_on
+        if self.device.type != "cuda":
+            return views.to(self.device)
+        if where == "auto":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            where = "cuda" if views.pixels.numel() * 4 < free // 4 else "cpu"  # float copies of a batch aside
+            if where == "cpu":
+                log.info("3DGS: %.1f GB of training images stay in pinned CPU memory", views.pixels.numel() / 1e9)
+        return views.to(self.device) if where == "cuda" else views.to("cpu").pin_memory()
+
+    def make_sampler(self, views, generator: torch.Generator) -> "_Views":
+        self._has_alpha = views.channels == 4
+        return _Views(views, ViewSampler(len(views), generator))
+
+    def step_pre_forward(self, step: int, generator: torch.Generator) -> None:
+        """Remember the step (the SH degree follows it) and the generator every rank shares (split samples)."""
+        self._step, self._shared = step, generator
+        return None
+
+    def sh_degree(self, step: int) -> int:
+        return sh_degree_at(step, self.cfg.sh_degree, self.cfg.sh_degree_every)
+
+    def _render(self, viewmats, Ks, width: int, height: int, sh_degree: int, backgrounds, absgrad: bool = False):
+        import kernels
+
+        g = self.gaussians
+        return kernels.rasterization(
+            g["means"], g["quats"], torch.exp(g["scales"]), torch.sigmoid(g["opacities"]),
+            torch.cat([g["sh0"], g["shN"]], dim=1), viewmats, Ks, width, height, sh_degree=sh_degree,
+            backgrounds=backgrounds, near_plane=self.cfg.near, far_plane=self.cfg.far, eps2d=self.cfg.eps2d,
+            antialiased=self.cfg.antialiased, absgrad=absgrad)
+
+    def _random_bg(self) -> bool:
+        rb = self.cfg.random_background
+        return rb == "on" or (rb == "auto" and self._has_alpha)
+
+    def forward_backward(self, batch, generator: torch.Generator, before_backward=None) -> dict:
+        """Render each view of ``batch`` (a :class:`_Batch`) and add the gradients of the mean loss."""
+        import kernels
+
+        step, views = self._step, batch.views
+        lam = self.cfg.ssim_lambda
+        loss_sum = mse_sum = None
+        pixels = 0
+        for i in batch.indices:
+            img = views.image(i).to(self.device, non_blocking=True).float() / 255.0
+            intr = views.intr(i)
+            gt = img[..., :3]
+            if img.shape[-1] == 4 and self._random_bg():
+                bg = torch.rand(3, generator=generator, device=generator.device).to(self.device)
+            else:
+                bg = self.background if self.background is not None else torch.zeros(3, device=self.device)
+            if img.shape[-1] == 4:
+                a = img[..., 3:]
+                gt = gt * a + bg * (1.0 - a)
+            viewmat = _viewmats(views.c2w[i:i + 1].to(self.device).float())
+            render, _, meta = self._render(viewmat, _K(intr, self.device)[None], intr.width, intr.height,
+                                           self.sh_degree(step), bg[None], absgrad=self.cfg.absgrad)
+            pred = render[0]
+            l1 = (pred - gt).abs().mean()
+            ssim = kernels.ssim(pred.permute(2, 0, 1)[None], gt.permute(2, 0, 1)[None])
+            loss = ((1.0 - lam) * l1 + lam * (1.0 - ssim)) / len(batch.indices)
+            mse = ((pred.detach() - gt) ** 2).mean() / len(batch.indices)
+            if i == batch.indices[-1] and before_backward is not None:
+                before_backward()
+            loss.backward()
+            self._metas.append(meta)
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            mse_sum = mse if mse_sum is None else mse_sum + mse
+            pixels += intr.width * intr.height
+        return {"loss": loss_sum, "mse": mse_sum, "num_samples": pixels}
+
+    def optimizer_step(self, step: int, skip: torch.Tensor) -> None:
+        step_optimizers(self.optimizers, self.schedulers, skip)
+
+    def after_step(self, step: int, strategy) -> bool:
+        """Densification statistics of this step's renders; clone, split, prune at refine steps."""
+        metas, self._metas = self._metas, []
+        if step >= self.cfg.refine_stop:
+            return False
+        for meta in metas:
+            self.densify.accumulate(meta)
+        before = self.n
+        out = self.densify.step(step, self.gaussians, self.optimizers, self._shared, self.extent,
+                                reduce=lambda ts, ops: strategy.reduce_stats(ts, ops))
+        if not out:
+            return False
+        if out.get("budget_hit") and not self._budget_logged:
+            log.warning("3DGS: the Gaussian budget (reconstruct.gs.max_gaussians = %d) is reached at step %d; "
+                        "densification stops growing", self.cfg.max_gaussians, step + 1)
+            self._budget_logged = True
+        changed = self.n != before or out.get("n_dupli", 0) or out.get("n_split", 0) or out.get("n_prune", 0)
+        if changed:
+            self.densify_log.append({"step": step + 1, "gaussians": self.n,
+                                     **{k: int(v) for k, v in out.items() if isinstance(v, (int, bool))}})
+        return bool(changed)
+
+    @torch.no_grad()
+    def quick_test_psnr(self, views, generator: torch.Generator) -> float | None:
+        """PSNR of one random held-out view, rendered whole."""
+        if len(views) == 0:
+            return None
+        i = int(torch.randint(0, len(views), (1,), generator=generator, device=generator.device))
+        img = views.image(i).to(self.device).float() / 255.0
+        gt = img[..., :3]
+        bg = self.background if self.background is not None else torch.zeros(3, device=self.device)
+        if img.shape[-1] == 4:
+            gt = gt * img[..., 3:] + bg * (1.0 - img[..., 3:])
+        pred = self.render_image(views.intr(i), views.c2w[i].float())
+        return -10.0 * math.log10(max(float(torch.mean((pred - gt) ** 2)), 1e-10))
+
+    @torch.no_grad()
+    def render_image(self, intr: Intrinsics, c2w: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        """[H, W, 3] float32 in [0, 1] on the method's device (onto the scene's background, or black)."""
+        bg = self.background if self.background is not None else torch.zeros(3, device=self.device)
+        render, _, _ = self._render(_viewmats(c2w.to(self.device).float()[None]), _K(intr, self.device)[None],
+                                    intr.width, intr.height, self.cfg.sh_degree, bg[None])
+        return render[0].clamp(0.0, 1.0)
+
+    def state_dict(self) -> dict:
+        return {"params": {k: self.gaussians[k].detach() for k in NAMES}, "sh_degree": self.cfg.sh_degree,
+                "version": self.VERSION, "extent": torch.tensor(self.extent),
+                "densify": self.densify.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        params = state["params"]
+        missing = [k for k in NAMES if k not in params]
+        if missing:
+            raise ValueError(f"3DGS state without {', '.join(missing)}: not a model of this method")
+        for k in NAMES:
+            p = torch.nn.Parameter(params[k].to(self.device).clone())
+            self.gaussians[k] = p
+            opt = self.optimizers[k]
+            opt.param_groups[0]["params"] = [p]
+            opt.state.clear()
+        self.extent = float(state.get("extent", torch.tensor(self.extent)))
+        if "densify" in state:
+            self.densify.load_state_dict(state["densify"])
+
+    def summary(self) -> dict:
+        return {"kernels": self.use_kernels, "num_gaussians": self.n, "sh_degree": self.cfg.sh_degree,
+                "densify": self.densify_log[-50:]}
+
+    _step = 0
+    _shared: torch.Generator | None = None
+
+
+class _Batch:
+    def __init__(self, views, indices: list[int]):
+        self.views, self.indices = views, indices
+
+
+class _Views:
+    """The method's batch sampler: view indices, handed over with the images they index."""
+
+    def __init__(self, views, order: ViewSampler):
+        self.views, self.order = views, order
+
+    def sample(self, k: int) -> _Batch:
+        return _Batch(self.views, self.order.sample(k))
+
+    def seek(self, drawn: int) -> None:
+        self.order.seek(drawn)
