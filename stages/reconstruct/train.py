@@ -44,13 +44,13 @@ from stages.common.params import to_dict
 
 from .checkpoint import CKPT_FORMAT, CheckpointMismatch, CheckpointStore, Expectation
 from .config import ReconstructParams
-from .data import RaySampler, Scene
+from .data import RaySampler, Scene, composite, sizes_text
 from .distributed import (
     DistContext, GradReducer, all_gather_objects, all_gather_tensor, broadcast_object, broadcast_tensors_,
     check_replicas, lr_scale, method_buffers, named_state, scale_learning_rates,
 )
 from .nerf.method import NerfMethod
-from .telemetry import MetricsServer, StepTimer, TensorBoardLog
+from .telemetry import ExpectedTime, MetricsServer, StepTimer, TensorBoardLog
 
 log = logging.getLogger("stages.reconstruct.train")
 
@@ -117,6 +117,7 @@ def held_out_psnr(method: NerfMethod, scene: Scene, generator: torch.Generator, 
         return None
     sampler = RaySampler(scene.test, generator)
     o, d, rgb = sampler.sample(n_rays)
+    rgb = composite(rgb, scene.background or (1.0, 1.0, 1.0))  # RGBA views: on the known colour, else white
     pred = method.render_rays(o, d)
     return mse_to_psnr(float(torch.mean((pred - rgb) ** 2)))
 
@@ -254,7 +255,7 @@ def train(
     rng = _Rng(seed, ctx, M, device if device.type == "cuda" else torch.device("cpu"))
     train_views = scene.train.to(device)
     test_views = scene.test.to(device)
-    scene_dev = Scene(train_views, test_views, scene.aabb, scene.background)
+    scene_dev = Scene(train_views, test_views, scene.aabb, scene.background, scene.points, scene.point_rgb)
     samplers = [RaySampler(train_views, g) for g in rng.shards]
     reducer = GradReducer(method.parameters(), ctx, dp.grad_sync, overlap=dp.overlap_comm,
                           wire_dtype=None if dp.grad_wire_dtype == "float32" else getattr(torch, dp.grad_wire_dtype))
@@ -284,10 +285,10 @@ def train(
 
     if ctx.is_main:
         log.info(
-            "training %s on %s for %d steps: %d train / %d test views at %dx%d, %d parameters, kernels %s; "
+            "training %s on %s for %d steps: %d train / %d test views at %s, %d parameters, kernels %s; "
             "%d process(es) x %d rays (%d micro-batch(es)) = %d rays per step, lr x %.3g (%s)",
-            params.method, device, params.steps, len(train_views), len(test_views), scene.train.intr.width,
-            scene.train.intr.height, method.num_params, "on" if method.use_kernels else "off", world,
+            params.method, device, params.steps, len(train_views), len(test_views), sizes_text(scene.train),
+            method.num_params, "on" if method.use_kernels else "off", world,
             params.batch_rays, M, params.batch_rays * world, factor, dp.lr_scaling,
         )
     timer = StepTimer(device)
@@ -300,6 +301,7 @@ def train(
     bar = tqdm(range(start, params.steps), desc="reconstruct", unit="step", initial=start, total=params.steps,
                disable=not (progress and ctx.is_main), mininterval=2.0)
     prof = StepProfiler(ctx.rank, device)
+    expected = ExpectedTime(start, params.steps, device, enabled=ctx.is_main)
     for step in bar:
         done = step + 1
         prof.at(step)
@@ -324,6 +326,7 @@ def train(
         timer.comm_end()
         method.optimizer_step()
         timer.end_step()
+        expected.after(done)
         sums += extras.to(sums.device)
         local_acc += samples_acc
 

@@ -17,7 +17,7 @@ from ..config import NerfParams, ReconstructParams
 from ..data import image_rays
 from .field import NerfField
 from .occupancy import OccupancyGrid
-from .render import render_packed, render_rays, sample_jitter
+from .render import render_packed, render_rays, render_rays_early_stop, sample_jitter
 
 
 def resolve_use_kernels(setting: str, device: torch.device) -> bool:
@@ -161,10 +161,12 @@ class NerfMethod:
 
     @torch.no_grad()
     def render_rays(self, o: torch.Tensor, d: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+        """Colours [R, 3] in [0, 1]; the dense renderer stops each ray early (render_rays_early_stop)."""
         outs = []
         for i in range(0, o.shape[0], chunk):
-            r = render_rays(self.field, self.grid, o[i : i + chunk], d[i : i + chunk], self.step_size,
-                            self.cfg.samples_per_ray, near=self.cfg.near, fused=self.fused)
+            args = (self.field, self.grid, o[i : i + chunk], d[i : i + chunk], self.step_size,
+                    self.cfg.samples_per_ray, self.cfg.near)
+            r = render_rays(*args, fused=True) if self.fused else render_rays_early_stop(*args)
             outs.append(r["rgb"])
         return torch.cat(outs).clamp(0, 1)
 
