@@ -3,7 +3,7 @@
     python -m stages.evaluate --poses data/poses --model data/reconstruct \
         --out data/evaluate --metrics data/metrics/evaluate.json [--params params.yaml]
 
-Reads the test views named in ``<poses>/split.json`` (cameras from
+Reads the test views named in ``<poses>/split.json`` (each with its own camera from
 ``<poses>/transforms.json``, images beside it), renders each one with the model of
 ``<model>`` (``stages.reconstruct.api.load_trained``) and writes
 
@@ -25,9 +25,16 @@ Reads the test views named in ``<poses>/split.json`` (cameras from
   GPU and driver, code revision, a hash of the params that produced the numbers).
 
 PSNR and SSIM (``stages.common.metrics``; SSIM as in the 3DGS evaluation) are computed
-on the model's float render clamped to [0, 1] against the 8-bit ground truth / 255.
+on the model's float render clamped to [0, 1] against the 8-bit ground truth / 255 (an RGBA
+ground truth composited on the scene's known background colour, else white).
 ``fps`` is test views per second at the test resolution, timed after one untimed
 warm-up render, render call to CPU tensor (so GPU work is included).
+
+Fewer or smaller test views (``max_test_views``, ``resolution_scale``; the ground truth is
+shrunk to the render's size by area averaging): both ``auto`` by default, which scores every
+view at full size where the model renders on a GPU and, on a CPU, at most
+:data:`CPU_TEST_VIEWS` views (evenly spread over the sorted test list) with the longest side
+at most :data:`CPU_EVAL_SIDE` pixels. The expected time is logged after the warm-up render.
 """
 from __future__ import annotations
 
@@ -66,6 +73,10 @@ PARAMS_HASH_SECTIONS = ("seed", "reconstruct", "evaluate")
 # distributions whose versions go into the environment block (None where not installed)
 LIBRARIES = ("torch", "numpy", "pillow", "pyyaml", "cuda-python", "kornia", "pycolmap", "dvc")
 ORBIT_FRAME_MS = 80  # display time of one orbit frame
+# the CPU profile of max_test_views / resolution_scale "auto": 80 photos at 800x600 on 2 cores
+# must go from photos to report in 30 minutes (issue 18), and one 800x600 view took minutes
+CPU_TEST_VIEWS = 8
+CPU_EVAL_SIDE = 400
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -80,6 +91,12 @@ class EvaluateParams:
     lpips_net: Literal["alex", "vgg"] = "alex"
     lpips_backbone: str = ""  # torchvision ImageNet state dict of lpips_net (alexnet-owt-*.pth / vgg16-*.pth)
     lpips_linear: str = ""  # LPIPS v0.1 linear layers for lpips_net (the lpips package's weights/v0.1/<net>.pth)
+    # test views scored: 0 = all, N = at most N evenly spread over the sorted test list; "auto": all
+    # where the model renders on a GPU, at most CPU_TEST_VIEWS on a CPU
+    max_test_views: Literal["auto"] | int = "auto"
+    # render and score at this fraction of each test view's size (1.0 = full); "auto": 1.0 on a GPU,
+    # on a CPU the scale that brings the longest test-view side to CPU_EVAL_SIDE pixels
+    resolution_scale: Literal["auto"] | float = "auto"
 
     def __post_init__(self) -> None:
         check(bool(self.lpips_backbone) == bool(self.lpips_linear), "lpips_backbone",
@@ -88,6 +105,10 @@ class EvaluateParams:
         check(self.orbit_frames == 0 or 2 <= self.orbit_frames <= 720, "orbit_frames", "must be 0 (off) or 2..720",
               self.orbit_frames)
         check(8 <= self.orbit_size <= 4096, "orbit_size", "must be 8..4096", self.orbit_size)
+        check(self.max_test_views == "auto" or self.max_test_views >= 0, "max_test_views",
+              "must be 'auto', 0 (all) or >= 1", self.max_test_views)
+        check(self.resolution_scale == "auto" or 0.01 <= self.resolution_scale <= 1.0, "resolution_scale",
+              "must be 'auto' or in [0.01, 1]", self.resolution_scale)
 
 
 @dataclass
@@ -95,13 +116,14 @@ class EvalView:
     name: str  # file name as in split.json, e.g. "view_000.png"
     path: Path  # the ground-truth image
     c2w: np.ndarray  # [4, 4] camera-to-world, OpenCV axes, normalized frame
+    intr: Intrinsics  # the view's own camera (the ground truth's size)
 
 
 # ---------------------------------------------------------------- inputs
 
 
-def load_test_views(poses_dir: str | Path) -> tuple[Intrinsics, list[EvalView]]:
-    """The test views of ``split.json`` with their cameras; raises ValueError when there are none."""
+def load_test_views(poses_dir: str | Path) -> list[EvalView]:
+    """The test views of ``split.json``, each with its camera; raises ValueError when there are none."""
     poses_dir = Path(poses_dir)
     if not poses_dir.is_dir():
         raise ValueError(f"poses folder not found: {poses_dir}; run the poses stage first")
@@ -116,28 +138,58 @@ def load_test_views(poses_dir: str | Path) -> tuple[Intrinsics, list[EvalView]]:
     if not test:
         raise ValueError(f"{split_path}: no test views (\"test\" is empty); nothing to evaluate "
                          "(poses.test_every picks every n-th image; a scene needs at least one)")
-    intr, files, c2w, _ = read_transforms(tf_path)
-    by_name = {Path(f).name: (f, m) for f, m in zip(files, c2w)}
+    intrs, files, c2w, _ = read_transforms(tf_path)
+    by_name = {Path(f).name: (f, m, k) for f, m, k in zip(files, c2w, intrs)}
     views = []
     for name in test:
         if name not in by_name:
             raise ValueError(f"{split_path}: test view {name!r} has no camera in {tf_path}")
-        f, m = by_name[name]
-        views.append(EvalView(name, poses_dir / f, m))
-    return intr, views
+        f, m, k = by_name[name]
+        views.append(EvalView(name, poses_dir / f, m, k))
+    return views
 
 
-def load_image(path: Path, intr: Intrinsics) -> np.ndarray:
-    """A ground-truth image as uint8 [H, W, 3]; its size must be the camera's."""
+def pick_views(views: list[EvalView], limit: int) -> list[EvalView]:
+    """At most ``limit`` (0: all) of ``views``, evenly spread, first and last included."""
+    if not limit or limit >= len(views):
+        return views
+    idx = sorted({round(i) for i in np.linspace(0, len(views) - 1, limit)})
+    return [views[i] for i in idx]
+
+
+def eval_profile(params: EvaluateParams, views: list[EvalView], on_gpu: bool) -> tuple[int, float, str]:
+    """(max test views, resolution scale, how they were chosen) of ``params`` for a model that
+    renders on a GPU (``on_gpu``) or not: ``auto`` resolves to the full set on a GPU and to the
+    CPU profile (:data:`CPU_TEST_VIEWS`, :data:`CPU_EVAL_SIDE`) elsewhere."""
+    longest = max(max(v.intr.width, v.intr.height) for v in views)
+    auto_views, auto_scale = (0, 1.0) if on_gpu else (CPU_TEST_VIEWS, min(1.0, CPU_EVAL_SIDE / longest))
+    limit = auto_views if params.max_test_views == "auto" else params.max_test_views
+    scale = auto_scale if params.resolution_scale == "auto" else float(params.resolution_scale)
+    auto = [k for k in ("max_test_views", "resolution_scale") if getattr(params, k) == "auto"]
+    how = f"{' and '.join(auto)} auto ({'GPU' if on_gpu else 'CPU'} profile)" if auto else "as set"
+    return limit, scale, how
+
+
+def load_image(path: Path, intr: Intrinsics, size: Intrinsics | None = None,
+               background: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> np.ndarray:
+    """A ground-truth image as uint8 [H, W, 3]; its size must be the camera's ``intr``. ``size``:
+    shrunk to that camera's size (area average). RGBA: composited on ``background``."""
     try:
         with Image.open(path) as im:
-            img = np.array(im.convert("RGB"))  # writable, for torch.from_numpy
+            rgba = im.mode in ("RGBA", "LA", "PA") or "transparency" in im.info
+            img = im.convert("RGBA" if rgba else "RGB")
+            img.load()
     except OSError as exc:
         raise ValueError(f"cannot read ground-truth image {path}: {exc}") from None
-    if img.shape[:2] != (intr.height, intr.width):
-        raise ValueError(f"{path}: ground-truth image is {img.shape[1]}x{img.shape[0]} but the camera in "
+    if (img.height, img.width) != (intr.height, intr.width):
+        raise ValueError(f"{path}: ground-truth image is {img.width}x{img.height} but the camera in "
                          f"transforms.json is {intr.width}x{intr.height}")
-    return img
+    if size is not None and (size.width, size.height) != img.size:
+        img = img.resize((size.width, size.height), Image.Resampling.BOX)
+    if rgba:
+        bg = Image.new("RGBA", img.size, tuple(round(255 * c) for c in background) + (255,))
+        img = Image.alpha_composite(bg, img).convert("RGB")
+    return np.array(img)  # writable, for torch.from_numpy
 
 
 def read_summary(model_dir: str | Path, need_weights: bool = True) -> dict:
@@ -354,8 +406,15 @@ def render_image(model: Any, intr: Intrinsics, c2w: np.ndarray, chunk_rays: int,
 
 
 def render_view(model: Any, intr: Intrinsics, view: EvalView, chunk_rays: int) -> torch.Tensor:
-    """The model's render of one test view as float32 [H, W, 3] in [0, 1] on the CPU."""
+    """The model's render of one test view with camera ``intr`` (the view's own, possibly
+    scaled) as float32 [H, W, 3] in [0, 1] on the CPU."""
     return render_image(model, intr, view.c2w, chunk_rays, view.name)
+
+
+def known_background(poses_dir: Path) -> tuple[float, float, float]:
+    """transforms.json's ``background`` colour (white or black), else white."""
+    doc = read_json(poses_dir / "transforms.json")
+    return (0.0, 0.0, 0.0) if isinstance(doc, dict) and doc.get("background") == "black" else (1.0, 1.0, 1.0)
 
 
 def _std(x: list[float]) -> float:
@@ -387,9 +446,15 @@ def run(
             the environment block (None: no hash).
     """
     poses_dir, model_dir, out_dir, metrics_path = map(Path, (poses_dir, model_dir, out_dir, metrics_path))
-    intr, views = load_test_views(poses_dir)
+    views = load_test_views(poses_dir)
     summary = read_summary(model_dir, need_weights=model is None)
-    gts = [load_image(v.path, intr) for v in views]  # all checked before any render
+    on_gpu = torch.cuda.is_available() if model is None else str(getattr(model, "device", "cpu")).startswith("cuda")
+    limit, scale, how = eval_profile(params, views, on_gpu)
+    in_split = len(views)
+    views = pick_views(views, limit)
+    cams = [v.intr if scale == 1.0 else v.intr.scaled(scale) for v in views]
+    background = known_background(poses_dir)
+    gts = [load_image(v.path, v.intr, c, background) for v, c in zip(views, cams)]  # all checked before any render
 
     lpips = None
     if params.lpips_backbone:  # loaded (and checked) before any render
@@ -400,41 +465,67 @@ def run(
         from stages.reconstruct.api import load_trained
 
         model = load_trained(model_dir, device="auto")
-    log.info("evaluating %s (%s on %s) on %d test views at %dx%d", model_dir, getattr(model, "method", "?"),
-             getattr(model, "device", "?"), len(views), intr.width, intr.height)
+    log.info("evaluating %s (%s on %s) on %d of %d test views at %s (scale %.3g; %s)", model_dir,
+             getattr(model, "method", "?"), getattr(model, "device", "?"), len(views), in_split,
+             ", ".join(dict.fromkeys(f"{c.width}x{c.height}" for c in cams)), scale, how)
 
     remove(metrics_path)  # a failed run leaves no stale metrics beside a missing out folder
-    render_view(model, intr, views[0], params.chunk_rays)  # warm-up: lazy compiles, caches, allocator
+    # warm-up (lazy compiles, caches, allocator), a quarter of the first view's size off the GPU, where
+    # it is there to time the renders by
+    warm = cams[0] if on_gpu else cams[0].scaled(min(1.0, max(0.25, 8 / min(cams[0].width, cams[0].height))))
+    t0 = time.perf_counter()
+    render_view(model, warm, views[0], params.chunk_rays)
+    per_px = (time.perf_counter() - t0) / (warm.width * warm.height)
+    log_expected_time(per_px, cams, views[0].intr, params, warm)
     per_view = []
     orbit: dict[str, Any] | None = None
     with atomic_dir(out_dir) as tmp:
         (tmp / "renders").mkdir()
-        for view, gt_u8 in zip(views, gts):
+        (tmp / "ground_truth").mkdir()
+        for k, (view, cam, gt_u8) in enumerate(zip(views, cams, gts), start=1):
             t0 = time.perf_counter()
-            pred = render_view(model, intr, view, params.chunk_rays)
+            pred = render_view(model, cam, view, params.chunk_rays)
             dt = time.perf_counter() - t0
             gt = torch.from_numpy(gt_u8).float() / 255.0
-            row = {"file": view.name, "psnr": M.psnr(pred, gt), "ssim": M.ssim(pred, gt), "render_time_s": dt}
+            row = {"file": view.name, "psnr": M.psnr(pred, gt), "ssim": M.ssim(pred, gt), "render_time_s": dt,
+                   "width": cam.width, "height": cam.height}
             if lpips is not None:
                 pair = [t.permute(2, 0, 1)[None].cpu() for t in (pred, gt)]
                 row["lpips"] = float(lpips(*pair)[0])
             per_view.append(row)
             img = (pred * 255.0).round().to(torch.uint8).numpy()
             Image.fromarray(img).save(tmp / "renders" / f"{Path(view.name).stem}.png")
-            log.info("%s: PSNR %.2f dB, SSIM %.4f, %.3f s", view.name, row["psnr"], row["ssim"], dt)
+            Image.fromarray(gt_u8).save(tmp / "ground_truth" / f"{Path(view.name).stem}.png")
+            log.info("%s (%d/%d, %dx%d): PSNR %.2f dB, SSIM %.4f, %.3f s", view.name, k, len(views), cam.width,
+                     cam.height, row["psnr"], row["ssim"], dt)
         atomic_write_json(tmp / "per_view.json", per_view)
         if params.orbit_frames:
-            data, ext, orbit = render_orbit(model, intr, poses_dir, params)
+            data, ext, orbit = render_orbit(model, views[0].intr, poses_dir, params)
             atomic_write_bytes(tmp / orbit["file"], data)
         env = environment(params_path)
-        metrics = summarize(per_view, intr, summary, model, model_dir, env, orbit,
+        metrics = summarize(per_view, summary, model, model_dir, env, orbit,
                             None if lpips is None else f"v0.1 {params.lpips_net}")
-        atomic_write_json(tmp / "metrics.json", ns_eval_results(per_view, intr, metrics, model_dir))
+        metrics.update({"num_test_views_in_split": in_split, "resolution_scale": scale, "eval_profile": how})
+        atomic_write_json(tmp / "metrics.json", ns_eval_results(per_view, metrics, model_dir))
     atomic_write_json(metrics_path, metrics)
     return metrics
 
 
-def summarize(per_view: list[dict], intr: Intrinsics, summary: dict, model: Any, model_dir: Path, env: dict,
+def log_expected_time(per_px: float, cams: list[Intrinsics], orbit_cam: Intrinsics, params: EvaluateParams,
+                      warm: Intrinsics) -> None:
+    """The expected rendering time of the test views ``cams`` and the orbit (of ``orbit_cam``
+    shrunk to ``orbit_size``) from the warm-up's seconds per pixel."""
+    views_px = sum(c.width * c.height for c in cams)
+    orbit_px = 0
+    if params.orbit_frames:
+        small = orbit_cam.scaled(min(1.0, params.orbit_size / max(orbit_cam.width, orbit_cam.height)))
+        orbit_px = params.orbit_frames * small.width * small.height
+    log.info("expected: about %.0f s for %d test views and %d orbit frames (the warm-up took %.3g ms per "
+             "1000 pixels at %dx%d)", per_px * (views_px + orbit_px), len(cams), params.orbit_frames,
+             1e6 * per_px, warm.width, warm.height)
+
+
+def summarize(per_view: list[dict], summary: dict, model: Any, model_dir: Path, env: dict,
               orbit: dict | None, lpips_net: str | None = None) -> dict[str, Any]:
     """The flat metrics of ``<metrics>`` (see the module docstring)."""
     psnrs = [r["psnr"] for r in per_view]
@@ -451,8 +542,9 @@ def summarize(per_view: list[dict], intr: Intrinsics, summary: dict, model: Any,
         "lpips_note": f"LPIPS {lpips_net} (user-supplied weights)" if lp else LPIPS_NOTE,
         "fps": len(per_view) / total_s if total_s > 0 else math.inf,
         "num_test_views": len(per_view),
-        "width": intr.width,
-        "height": intr.height,
+        "width": per_view[0]["width"],  # the first view's; test_view_sizes lists them all
+        "height": per_view[0]["height"],
+        "test_view_sizes": list(dict.fromkeys(f"{r['width']}x{r['height']}" for r in per_view)),
     }
     for key in SUMMARY_KEYS:
         metrics[key] = summary.get(key)
@@ -469,12 +561,12 @@ def summarize(per_view: list[dict], intr: Intrinsics, summary: dict, model: Any,
     return metrics
 
 
-def ns_eval_results(per_view: list[dict], intr: Intrinsics, metrics: dict, model_dir: Path) -> dict:
+def ns_eval_results(per_view: list[dict], metrics: dict, model_dir: Path) -> dict:
     """``metrics.json`` as nerfstudio's ``ns-eval`` writes it: means and sample standard deviations
     over the test views (fps and rays/s per view, from each view's render time)."""
     times = [r["render_time_s"] for r in per_view]
     fps = [1.0 / t if t > 0 else math.inf for t in times]
-    rays = [intr.width * intr.height * f for f in fps]
+    rays = [r["width"] * r["height"] * f for r, f in zip(per_view, fps)]
     sha = (metrics.get("environment") or {}).get("params_sha256")
     return {
         "experiment_name": f"rayforge-{sha[:12]}" if sha else "rayforge",

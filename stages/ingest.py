@@ -6,7 +6,8 @@ name then keeping its folders, e.g. ``train/r_0.png``), in name order:
 * an image (jpg, jpeg, png, tif, tiff, bmp, webp; any case) is decoded with Pillow, turned
   upright by its EXIF orientation, converted to 8-bit RGB (grayscale, palette, CMYK, 16-bit
   and float images are scaled properly; an alpha channel is dropped, or with ``alpha: white``
-  / ``black`` composited on that colour, and noted) and, with ``max_size > 0``, shrunk
+  / ``black`` composited on that colour, or with ``alpha: keep`` kept (an RGBA PNG), and
+  noted) and, with ``max_size > 0``, shrunk
   (Lanczos) so its longest side is ``max_size``; it is written as ``<out>/images/<stem>.png``
   (``<stem>-2.png`` ... when two photos share a stem; in a subfolder the stem is prefixed with
   the folders, ``train_r_0.png``);
@@ -17,7 +18,8 @@ name then keeping its folders, e.g. ``train/r_0.png``), in name order:
   (renamed to their output names) and its intrinsics rescaled to the written size.
 
 ``<out>/manifest.json`` lists the images (output file, source, size, sha256 of the PNG,
-EXIF orientation) and the skipped files. The out folder is built aside and swapped in on
+EXIF orientation, and the EXIF camera body and focal length where the photo has them, which
+the poses stage's ``camera_mode: auto`` groups cameras by) and the skipped files. The out folder is built aside and swapped in on
 success, so an error leaves no outs.
 
 Usage::
@@ -50,6 +52,9 @@ IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".tif", ".tiff", ".bmp", ".webp"}
 CONVERT_FIRST_EXTS = {".heic", ".heif", ".avif", ".dng", ".cr2", ".cr3", ".nef", ".arw", ".orf", ".rw2", ".raf"}
 GROUND_TRUTH = "ground_truth.json"
 EXIF_ORIENTATION = 0x0112
+# EXIF tags of the camera that took a photo: Make and Model (base IFD), FocalLength and
+# FocalLengthIn35mmFilm (Exif sub-IFD)
+EXIF_MAKE, EXIF_MODEL, EXIF_IFD, EXIF_FOCAL, EXIF_FOCAL_35 = 0x010F, 0x0110, 0x8769, 0x920A, 0xA405
 
 
 @dataclass(frozen=True)
@@ -61,9 +66,10 @@ class IngestParams:
     min_images: int = 3
     # also ingest the subfolders' photos (e.g. a Blender layout's train/ and test/)
     recursive: bool = False
-    # what becomes of an alpha channel: drop it (keep the colour), or composite on white / black
-    # (white for the nerf_synthetic / Blender scenes)
-    alpha: Literal["drop", "white", "black"] = "drop"
+    # what becomes of an alpha channel: drop it (keep the colour), composite on white / black
+    # (white for the nerf_synthetic / Blender scenes), or keep it (RGBA PNGs, for training on random
+    # backgrounds)
+    alpha: Literal["drop", "white", "black", "keep"] = "drop"
 
     def __post_init__(self) -> None:
         P.check(bool(self.photos.strip()), "photos", "must name a folder", self.photos)
@@ -78,7 +84,8 @@ def to_rgb8(img, notes: list[str], alpha: str = "drop"):
     """An 8-bit RGB copy of a Pillow image of any mode; what was lost goes in ``notes``.
 
     ``alpha``: ``drop`` keeps the colour under a transparent pixel as it is; ``white`` /
-    ``black`` composite the (straight) alpha over that background.
+    ``black`` composite the (straight) alpha over that background; ``keep`` returns an 8-bit
+    RGBA copy of an image that has alpha.
     """
     from PIL import Image
 
@@ -101,6 +108,11 @@ def to_rgb8(img, notes: list[str], alpha: str = "drop"):
         a = np.clip(np.round(np.nan_to_num(a)), 0, 255).astype(np.uint8)
         return Image.fromarray(a, mode="L").convert("RGB")
     if mode in ("RGBA", "LA", "PA", "RGBa", "La") or (mode == "P" and "transparency" in img.info):
+        if alpha == "keep":
+            notes.append("alpha kept")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # Pillow's palette-transparency hint
+                return img.convert("RGBA")
         if alpha in ("white", "black"):
             rgba = img.convert("RGBA")
             bg = Image.new("RGBA", rgba.size, (255, 255, 255, 255) if alpha == "white" else (0, 0, 0, 255))
@@ -118,11 +130,37 @@ def to_rgb8(img, notes: list[str], alpha: str = "drop"):
         return img.convert("RGB")
 
 
-def load_photo(data: bytes, max_size: int, alpha: str = "drop") -> tuple[Any, int, tuple[int, int], list[str]]:
+def exif_camera(exif) -> dict[str, Any] | None:
+    """``{"make", "model", "focal_length_mm", "focal_length_35mm"}`` from a Pillow ``Exif`` (each
+    None where missing), or None when it names no camera at all."""
+    def text(tag: int) -> str | None:
+        v = exif.get(tag)
+        v = v.decode("ascii", "replace") if isinstance(v, bytes) else v
+        return (v.strip("\x00 ").strip() or None) if isinstance(v, str) else None
+
+    def number(ifd: dict, tag: int) -> float | None:
+        try:
+            v = float(ifd.get(tag))
+        except (TypeError, ValueError, ZeroDivisionError):
+            return None
+        return v if v > 0 and np.isfinite(v) else None
+
+    try:
+        sub = exif.get_ifd(EXIF_IFD)
+    except Exception:  # a broken sub-IFD: the base tags may still be there
+        sub = {}
+    cam = {"make": text(EXIF_MAKE), "model": text(EXIF_MODEL), "focal_length_mm": number(sub, EXIF_FOCAL),
+           "focal_length_35mm": number(sub, EXIF_FOCAL_35)}
+    return cam if any(v is not None for v in cam.values()) else None
+
+
+def load_photo(data: bytes, max_size: int, alpha: str = "drop"
+               ) -> tuple[Any, int, tuple[int, int], list[str], dict | None]:
     """Decode, turn upright, convert and shrink one photo.
 
-    Returns (RGB image, EXIF orientation, upright source size (w, h), notes); raises
-    ``OSError``/``ValueError`` (and Pillow's errors) for unreadable data.
+    Returns (RGB image (RGBA with ``alpha: keep``), EXIF orientation, upright source size (w, h),
+    notes, EXIF camera (:func:`exif_camera`)); raises ``OSError``/``ValueError`` (and Pillow's
+    errors) for unreadable data.
     """
     from PIL import Image, ImageOps
 
@@ -131,8 +169,11 @@ def load_photo(data: bytes, max_size: int, alpha: str = "drop") -> tuple[Any, in
         im.load()
         if getattr(im, "n_frames", 1) > 1:
             notes.append(f"first of {im.n_frames} frames used")
+        camera = None
         try:
-            orientation = int(im.getexif().get(EXIF_ORIENTATION, 1) or 1)
+            exif = im.getexif()
+            orientation = int(exif.get(EXIF_ORIENTATION, 1) or 1)
+            camera = exif_camera(exif)
         except Exception:  # a broken EXIF block must not lose the photo
             orientation = 1
             notes.append("unreadable EXIF ignored")
@@ -148,7 +189,7 @@ def load_photo(data: bytes, max_size: int, alpha: str = "drop") -> tuple[Any, in
         size = (max(1, round(w * scale)), max(1, round(h * scale)))
         rgb = rgb.resize(size, Image.Resampling.LANCZOS)
         notes.append(f"downscaled from {w}x{h}")
-    return rgb, orientation, src_size, notes
+    return rgb, orientation, src_size, notes, camera
 
 
 def png_bytes(img) -> bytes:
@@ -301,7 +342,7 @@ def run(params: IngestParams, photos_dir: str | Path, out_dir: str | Path, log: 
                 _skip(skipped, name, f"duplicate of {seen[digest]} (identical bytes)", log)
                 continue
             try:
-                rgb, orientation, (sw, sh), notes = load_photo(data, params.max_size, params.alpha)
+                rgb, orientation, (sw, sh), notes, camera = load_photo(data, params.max_size, params.alpha)
             except (OSError, ValueError, SyntaxError, EOFError, UnidentifiedImageError,
                     Image.DecompressionBombError) as exc:
                 reason = "not a readable image" if isinstance(exc, UnidentifiedImageError) else str(exc)
@@ -315,6 +356,7 @@ def run(params: IngestParams, photos_dir: str | Path, out_dir: str | Path, log: 
                 "file": f"images/{out_name}", "source": name, "width": rgb.width, "height": rgb.height,
                 "sha256": hashlib.sha256(png).hexdigest(), "exif_orientation": orientation,
                 "source_width": sw, "source_height": sh, "notes": notes,
+                **({"camera": camera} if camera else {}),
             })
             log.info("%s -> images/%s (%dx%d%s)", name, out_name, rgb.width, rgb.height,
                      f"; {'; '.join(notes)}" if notes else "")

@@ -6,8 +6,11 @@ Reads ``<ingest>/manifest.json`` and ``<ingest>/images/*.png`` and writes ``<out
   distortion),
 * ``sparse/0/``: the COLMAP binary model of those images, in the SfM's own frame,
 * ``transforms.json``: nerfstudio / instant-ngp cameras in the normalized frame (camera
-  centres' mean at the origin, farthest camera at 1, mean up along +z) with the extra keys
-  ``normalization`` (SfM world -> this frame), ``aabb`` and ``camera_model``,
+  centres' mean at the origin, farthest camera at 1, mean up along +z): one shared camera at the
+  top level, or with several cameras each frame's own ``fl_x fl_y cx cy w h`` (nerfstudio's
+  layout), nerfstudio's ``applied_transform`` (SfM world -> this frame, 3x4) and
+  ``ply_file_path``, and the extra keys ``normalization`` (the same map, 4x4), ``aabb`` and
+  ``camera_model``,
 * ``points3D.ply``: the sparse points with colours, normalized frame,
 * ``split.json``: every ``test_every``-th registered image (sorted by name) is a test view,
 
@@ -16,10 +19,16 @@ and the metrics file (registration, reprojection error, track length, step times
 
 Options (params.yaml ``poses``): SIFT on the GPU when pycolmap has CUDA (``device``), at most
 ``max_features`` per image, optionally on images shrunk to ``sift_max_size``; exhaustive or
-sequential matching; the incremental or the global (GLOMAP) mapper; one shared camera or one per
-image size (``camera_mode``) of model SIMPLE_PINHOLE, PINHOLE, SIMPLE_RADIAL or OPENCV; known
-intrinsics (from the params or the ingest's ground truth) as a prior or held fixed. When the
-mapper makes several models the largest is kept and the others are reported.
+sequential matching; the incremental or the global (GLOMAP) mapper; cameras (``camera_mode``):
+``auto`` (one per EXIF camera body and focal length when the photos' EXIF names several, and
+per image size: phone photos in portrait and landscape), one shared camera, one per image size
+or one per image, of model SIMPLE_PINHOLE, PINHOLE, SIMPLE_RADIAL, RADIAL, OPENCV or
+OPENCV_FISHEYE (distorted models are undistorted image by image); known intrinsics (from the
+params or the ingest's ground truth) as a prior or held fixed. When the mapper makes several
+models the largest is kept and the others are reported. A model whose geometry is implausible
+(:func:`degenerate_reasons`: cameras all in one spot or on one line, points behind the cameras,
+a large reprojection error, an implausible focal length) stops the stage unless
+``allow_degenerate``; the numbers are in the metrics' ``geometry``.
 
 Determinism: images enter the database in sorted-name order before extraction, so image ids
 never depend on thread timing; SIFT on the CPU is deterministic per image (extraction stays
@@ -64,9 +73,18 @@ NOT_IMPLEMENTED_SOURCES: tuple[str, ...] = ()
 IMPORT_SOURCES = ("colmap", "transforms", "llff")  # cameras read by stages/importers/
 # COLMAP parameter layouts of the camera models offered (the distortion terms come last)
 CAMERA_PARAM_NAMES = {"SIMPLE_PINHOLE": "f, cx, cy", "PINHOLE": "fx, fy, cx, cy", "SIMPLE_RADIAL": "f, cx, cy, k",
-                      "OPENCV": "fx, fy, cx, cy, k1, k2, p1, p2"}
+                      "RADIAL": "f, cx, cy, k1, k2", "OPENCV": "fx, fy, cx, cy, k1, k2, p1, p2",
+                      "OPENCV_FISHEYE": "fx, fy, cx, cy, k1, k2, k3, k4"}
 NUM_CAMERA_PARAMS = {m: len(v.split(", ")) for m, v in CAMERA_PARAM_NAMES.items()}
-NUM_DISTORTION = {"SIMPLE_PINHOLE": 0, "PINHOLE": 0, "SIMPLE_RADIAL": 1, "OPENCV": 4}
+NUM_DISTORTION = {"SIMPLE_PINHOLE": 0, "PINHOLE": 0, "SIMPLE_RADIAL": 1, "RADIAL": 2, "OPENCV": 4,
+                  "OPENCV_FISHEYE": 4}
+CameraModel = Literal["SIMPLE_PINHOLE", "PINHOLE", "SIMPLE_RADIAL", "RADIAL", "OPENCV", "OPENCV_FISHEYE"]
+# degenerate_reasons' bounds: what no usable capture has (module docstring)
+MIN_BASELINE_RATIO = 0.01  # spread of the camera centres / median point depth
+MIN_COLLINEARITY = 1e-3  # second / first singular value of the centred camera centres
+MAX_BEHIND_FRACTION = 0.1  # observations with the point behind the camera
+MAX_REPROJECTION_PX = 4.0  # mean reprojection error (COLMAP filters observations above 4 px)
+FOCAL_RANGE = (0.2, 20.0)  # focal length / longest image side: fields of view of 136 to 2.9 degrees
 
 
 @dataclass(frozen=True)
@@ -77,7 +95,7 @@ class PosesParams:
     # for the import sources: a COLMAP model folder, a transforms.json (or a Blender folder with
     # transforms_train.json) or a poses_bounds.npy; relative to the working directory
     camera_file: str = ""
-    camera_model: Literal["SIMPLE_PINHOLE", "PINHOLE", "SIMPLE_RADIAL", "OPENCV"] = "PINHOLE"
+    camera_model: CameraModel = "PINHOLE"
     max_features: int = 8192
     matcher: Literal["exhaustive", "sequential"] = "exhaustive"
     # sequential matcher: each image is matched with the next `sequential_overlap` ones (linear,
@@ -94,8 +112,11 @@ class PosesParams:
     sift_max_size: int = 0
     # SIFT extraction and matching device: auto = the GPU when pycolmap was built with CUDA.
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # single: one camera shared by all images; per_size: one camera per distinct image size.
-    camera_mode: Literal["single", "per_size"] = "single"
+    # auto: one camera per (EXIF camera body and focal length, image size) when EXIF names several
+    # bodies or focal lengths, else one per image size (one shared camera when all have one size);
+    # single: one camera shared by all images; per_size: one per distinct image size; per_image: one
+    # per image (what COLMAP does unless told otherwise).
+    camera_mode: Literal["auto", "single", "per_size", "per_image"] = "auto"
     # Known intrinsics: none (estimated), params (`camera_params`) or ground_truth (the ingest's
     # ground_truth.json). They seed the camera (a focal-length prior) and, with
     # `fix_intrinsics`, stay fixed in bundle adjustment.
@@ -107,6 +128,9 @@ class PosesParams:
     # Refine the principal point in bundle adjustment too (COLMAP keeps it at the image centre
     # by default); for real lenses whose optical centre is off the middle. Not with fix_intrinsics.
     refine_principal_point: bool = False
+    # Keep a model that degenerate_reasons flags (cameras in one spot or on a line, points behind
+    # the cameras, ...) instead of stopping; the flags stay in the metrics.
+    allow_degenerate: bool = False
 
     def __post_init__(self) -> None:
         P.check(self.source not in NOT_IMPLEMENTED_SOURCES, "source",
@@ -152,7 +176,7 @@ def load_seed(path: str | Path = P.DEFAULT_PARAMS, data: dict | None = None) -> 
 def read_ingest(ingest_dir: Path, allow_mixed_sizes: bool = False) -> tuple[list[str], dict | None]:
     """Image names (relative to ``<ingest>/images``, sorted) and the ground truth, if any.
 
-    Images of several sizes are an error unless ``allow_mixed_sizes`` (``camera_mode: per_size``).
+    Images of several sizes are an error unless ``allow_mixed_sizes`` (any ``camera_mode`` but single).
     """
     manifest_path = ingest_dir / "manifest.json"
     try:
@@ -177,7 +201,7 @@ def read_ingest(ingest_dir: Path, allow_mixed_sizes: bool = False) -> tuple[list
     if len(sizes) > 1 and not allow_mixed_sizes:
         raise ValueError(f"{manifest_path}: images have different sizes {sorted(sizes, key=str)}; "
                          "with poses.camera_mode: single the SfM uses one shared camera, so all images must "
-                         "have one size (or set poses.camera_mode: per_size)")
+                         "have one size (or set poses.camera_mode: auto or per_size)")
     gt = None
     gt_path = ingest_dir / "ground_truth.json"
     if gt_path.is_file():
@@ -230,35 +254,70 @@ def known_camera_params(p: PosesParams, gt: dict | None, size: tuple[int, int],
                              "ground_truth.json with intrinsics")
         fx, fy, cx, cy = (float(gi[k]) for k in ("fx", "fy", "cx", "cy"))
         w0, h0 = int(gi["width"]), int(gi["height"])
-        values = {"SIMPLE_PINHOLE": [(fx + fy) / 2, cx, cy], "PINHOLE": [fx, fy, cx, cy],
-                  "SIMPLE_RADIAL": [(fx + fy) / 2, cx, cy, 0.0],
-                  "OPENCV": [fx, fy, cx, cy, 0.0, 0.0, 0.0, 0.0]}[model]
+        f = (fx + fy) / 2
+        values = {"SIMPLE_PINHOLE": [f, cx, cy], "PINHOLE": [fx, fy, cx, cy], "SIMPLE_RADIAL": [f, cx, cy, 0.0],
+                  "RADIAL": [f, cx, cy, 0.0, 0.0], "OPENCV": [fx, fy, cx, cy, 0.0, 0.0, 0.0, 0.0],
+                  "OPENCV_FISHEYE": [fx, fy, cx, cy, 0.0, 0.0, 0.0, 0.0]}[model]
     sx, sy = size[0] / w0, size[1] / h0
     if abs(sx - sy) > 0.01 * max(sx, sy):
         raise ValueError(f"poses.known_intrinsics: the known intrinsics are for {w0}x{h0} images, which "
                          f"cannot be rescaled to {size[0]}x{size[1]} (another aspect ratio)")
     n_lin = NUM_CAMERA_PARAMS[model] - NUM_DISTORTION[model]
     # x-like entries (f, fx, cx) scale with the width, y-like ones (fy, cy) with the height
-    scales = {"SIMPLE_PINHOLE": [sx, sx, sy], "PINHOLE": [sx, sy, sx, sy],
-              "SIMPLE_RADIAL": [sx, sx, sy], "OPENCV": [sx, sy, sx, sy]}[model]
+    scales = {"SIMPLE_PINHOLE": [sx, sx, sy], "PINHOLE": [sx, sy, sx, sy], "SIMPLE_RADIAL": [sx, sx, sy],
+              "RADIAL": [sx, sx, sy], "OPENCV": [sx, sy, sx, sy], "OPENCV_FISHEYE": [sx, sy, sx, sy]}[model]
     return [v * scales[i] if i < n_lin else v for i, v in enumerate(values)]
 
 
+def exif_body(camera: dict | None) -> tuple | None:
+    """(make, model, focal length) of an ingest manifest's EXIF ``camera`` entry, or None."""
+    if not camera:
+        return None
+    focal = camera.get("focal_length_mm") or camera.get("focal_length_35mm")
+    return camera.get("make"), camera.get("model"), None if focal is None else round(float(focal), 2)
+
+
+def camera_groups(mode: str, names: list[str], sizes: dict[str, tuple[int, int]],
+                  exif: dict[str, dict | None] | None = None) -> dict[str, Any]:
+    """The camera key of every image: images with one key share a COLMAP camera.
+
+    ``auto``: (EXIF body and focal length, image size) when the photos' EXIF names more than one
+    body or focal length (a photo without EXIF counts as one more), else the image size alone.
+    """
+    exif = exif or {}
+    if mode == "single":
+        return {n: "shared" for n in names}
+    if mode == "per_image":
+        return {n: n for n in names}
+    bodies = {n: exif_body(exif.get(n)) for n in names}
+    several = mode == "auto" and len(set(bodies.values())) > 1
+    return {n: (bodies[n], sizes[n]) if several else sizes[n] for n in names}
+
+
+def read_exif_cameras(ingest_dir: Path) -> dict[str, dict | None]:
+    """Image name -> the manifest's EXIF ``camera`` entry (None where the photo had none)."""
+    manifest = json.loads((ingest_dir / "manifest.json").read_text())
+    return {Path(str(e["file"])).name: e.get("camera") if isinstance(e.get("camera"), dict) else None
+            for e in manifest["images"]}
+
+
 def import_sorted(pycolmap, db_path: Path, image_dir: Path, names: list[str], sizes: dict[str, tuple[int, int]],
-                  p: PosesParams, gt: dict | None = None) -> None:
+                  p: PosesParams, gt: dict | None = None, exif: dict[str, dict | None] | None = None) -> None:
     """Create the database and add every image in sorted-name order, so image ids are 1..N in that
     order whatever the extraction threads do later.
 
-    One camera for all images (``camera_mode: single``) or one per image size (``per_size``), each
-    seeded with the known intrinsics when there are some. Images are added in runs of one size:
-    the first run of a size creates its camera, later runs reuse it (``existing_camera_id``).
+    Cameras as :func:`camera_groups` assigns them for ``p.camera_mode`` (``exif``: the manifest's
+    EXIF cameras by name), each seeded with the known intrinsics when there are some. Images are
+    added in runs of one key: the first run of a key creates its camera, later runs reuse it
+    (``existing_camera_id``).
     """
     pycolmap.Database.open(db_path).close()
     ref_size = sizes[names[0]]
+    groups = camera_groups(p.camera_mode, names, sizes, exif)
     camera_of: dict[Any, int] = {}
     runs: list[tuple[Any, list[str]]] = []
     for n in names:
-        key = sizes[n] if p.camera_mode == "per_size" else "shared"
+        key = groups[n]
         if runs and runs[-1][0] == key:
             runs[-1][1].append(n)
         else:
@@ -289,12 +348,13 @@ def import_sorted(pycolmap, db_path: Path, image_dir: Path, names: list[str], si
 
 
 def extract(pycolmap, db_path: Path, image_dir: Path, names: list[str], p: PosesParams,
-            gt: dict | None = None, sizes: dict[str, tuple[int, int]] | None = None) -> None:
+            gt: dict | None = None, sizes: dict[str, tuple[int, int]] | None = None,
+            exif: dict[str, dict | None] | None = None) -> None:
     """Import the images (see :func:`import_sorted`) and extract SIFT features, at most
     ``max_features`` per image, on images shrunk to ``sift_max_size`` (keypoints come back in
     full-size pixels)."""
     sizes = image_sizes(image_dir, names) if sizes is None else sizes
-    import_sorted(pycolmap, db_path, image_dir, names, sizes, p, gt)
+    import_sorted(pycolmap, db_path, image_dir, names, sizes, p, gt, exif)
     gpu = use_gpu(pycolmap, p)
     reader = pycolmap.ImageReaderOptions()
     reader.camera_model = p.camera_model
@@ -415,7 +475,8 @@ def unregistered_reasons(pycolmap, db_path: Path, names: list[str], registered: 
 
 
 def undistort(pycolmap, rec, image_dir: Path, work: Path):
-    """Undistort the registered images to a PINHOLE camera; returns (reconstruction, image folder)."""
+    """Undistort the images of ``rec`` to PINHOLE cameras, each image with its own camera;
+    returns (reconstruction, image folder). RGBA images keep their alpha channel, warped alike."""
     src = work / "distorted"
     src.mkdir()
     rec.write(src)
@@ -433,7 +494,89 @@ def undistort(pycolmap, rec, image_dir: Path, work: Path):
         out.cameras[cid] = pycolmap.Camera(
             camera_id=cid, model="PINHOLE", width=cam.width, height=cam.height,
             params=[cam.focal_length_x, cam.focal_length_y, cam.principal_point_x, cam.principal_point_y])
+    keep_alpha(pycolmap, {im.name: rec.cameras[im.camera_id] for im in rec.images.values()}, image_dir, dst / "images")
     return out, dst / "images"
+
+
+def keep_alpha(pycolmap, cameras: dict[str, Any], image_dir: Path, undistorted: Path) -> None:
+    """pycolmap's undistortion writes RGB images: put the alpha channel of every RGBA source
+    back, undistorted by the same warp (``pycolmap.undistort_image`` of the alpha alone, with
+    the image's distorted camera ``cameras[name]``)."""
+    from PIL import Image
+
+    for name, camera in cameras.items():
+        with Image.open(image_dir / name) as im:
+            if im.mode != "RGBA":
+                continue
+            alpha = np.ascontiguousarray(np.asarray(im)[..., 3])
+        warped, _ = pycolmap.undistort_image(pycolmap.UndistortCameraOptions(), pycolmap.Bitmap.from_array(alpha),
+                                             camera)
+        with Image.open(undistorted / name) as im:
+            rgb = np.asarray(im.convert("RGB"))
+        a = warped.to_array().reshape(rgb.shape[:2])
+        Image.fromarray(np.dstack([rgb, a]), "RGBA").save(undistorted / name)
+
+
+# ---------------------------------------------------------------- plausibility of the model
+
+
+def model_geometry(rec) -> dict[str, Any]:
+    """The numbers :func:`degenerate_reasons` judges, from a pycolmap reconstruction: camera
+    spread (largest distance of a centre from their mean) against the median depth of the
+    observed points, collinearity of the centres, the fraction of observations with the point
+    behind its camera, the mean reprojection error and the extreme focal lengths per image side."""
+    ids = sorted(rec.reg_image_ids())
+    w2c = {i: rec.image(i).cam_from_world().matrix() for i in ids}
+    centres = np.array([-w2c[i][:, :3].T @ w2c[i][:, 3] for i in ids]).reshape(-1, 3)
+    img_of, xyz = [], []
+    for pt in rec.points3D.values():
+        for el in pt.track.elements:
+            img_of.append(el.image_id)
+            xyz.append(pt.xyz)
+    depths = np.zeros(0)
+    if img_of:
+        P = np.stack([w2c[i] for i in img_of])  # [M, 3, 4]
+        depths = np.einsum("mj,mj->m", P[:, 2, :3], np.asarray(xyz)) + P[:, 2, 3]
+    spread = float(np.linalg.norm(centres - centres.mean(0), axis=1).max()) if len(centres) else 0.0
+    sv = np.linalg.svd(centres - centres.mean(0), compute_uv=False) if len(centres) >= 3 else np.zeros(3)
+    front = depths[depths > 0]
+    median_depth = float(np.median(front)) if len(front) else 0.0
+    focal = [cam.focal_length_x / max(cam.width, cam.height) for cam in
+             (rec.camera(c) for c in {rec.image(i).camera_id for i in ids})]
+    return {
+        "num_registered": len(ids),
+        "camera_spread": spread,
+        "median_point_depth": median_depth,
+        "baseline_ratio": spread / median_depth if median_depth > 0 else None,
+        "collinearity": float(sv[1] / sv[0]) if sv[0] > 0 else 0.0,
+        "behind_fraction": float((depths <= 0).mean()) if len(depths) else 0.0,
+        "mean_reprojection_error_px": float(rec.compute_mean_reprojection_error()),
+        "focal_per_side": [min(focal), max(focal)] if focal else None,
+    }
+
+
+def degenerate_reasons(g: dict[str, Any]) -> list[str]:
+    """What is implausible about a model's geometry (:func:`model_geometry`), one sentence each;
+    empty for a plausible model or one of fewer than 3 registered images."""
+    if g["num_registered"] < 3:
+        return []
+    out = []
+    if g["baseline_ratio"] is not None and g["baseline_ratio"] < MIN_BASELINE_RATIO:
+        out.append(f"the cameras barely move: their spread is {g['baseline_ratio']:.2%} of the median point depth "
+                   f"(under {MIN_BASELINE_RATIO:.0%}: a rotation-only capture or a collapsed model)")
+    if g["num_registered"] >= 4 and g["collinearity"] < MIN_COLLINEARITY:
+        out.append(f"the camera centres lie on one line (second / first spread {g['collinearity']:.1e})")
+    if g["behind_fraction"] > MAX_BEHIND_FRACTION:
+        out.append(f"{g['behind_fraction']:.0%} of the point observations are behind their camera")
+    if g["mean_reprojection_error_px"] > MAX_REPROJECTION_PX:
+        out.append(f"mean reprojection error {g['mean_reprojection_error_px']:.2f} px (over {MAX_REPROJECTION_PX:g} px)")
+    lo, hi = FOCAL_RANGE
+    if g["focal_per_side"] and not (lo <= g["focal_per_side"][0] and g["focal_per_side"][1] <= hi):
+        out.append(f"implausible focal lengths: {g['focal_per_side'][0]:.3g} to {g['focal_per_side'][1]:.3g} times "
+                   f"the longest image side (expected {lo:g} to {hi:g})")
+    if g["median_point_depth"] <= 0 and g["num_registered"] >= 3:
+        out.append("no point lies in front of the cameras")
+    return out
 
 
 # ---------------------------------------------------------------- outputs
@@ -513,14 +656,18 @@ def run(params: PosesParams, ingest_dir: str | Path, out_dir: str | Path, metric
         raise ValueError(f"poses.source: {params.source!r} is not implemented yet")
     ingest_dir, out_dir, metrics_path = Path(ingest_dir), Path(out_dir), Path(metrics_path)
     image_dir = ingest_dir / "images"
-    names, gt = read_ingest(ingest_dir, allow_mixed_sizes=params.camera_mode == "per_size")
+    names, gt = read_ingest(ingest_dir, allow_mixed_sizes=params.camera_mode != "single")
+    sizes = image_sizes(image_dir, names)
+    exif = read_exif_cameras(ingest_dir)
+    groups = camera_groups(params.camera_mode, names, sizes, exif)
     remove(metrics_path)  # a failed run must not leave the previous run's numbers behind
     if log.getEffectiveLevel() > logging.DEBUG:
         pycolmap.logging.minloglevel = 1  # COLMAP's per-image INFO lines only at DEBUG
     t_start = time.perf_counter()
     times: dict[str, float] = {}
-    log.info("poses: %d images from %s, camera %s (%s), %s matching, %s mapper, up to %d features%s", len(names),
-             ingest_dir, params.camera_model, params.camera_mode, params.matcher, params.mapper, params.max_features,
+    log.info("poses: %d images from %s, camera %s (%s: %d camera(s)), %s matching, %s mapper, up to %d features%s",
+             len(names), ingest_dir, params.camera_model, params.camera_mode, len(set(groups.values())),
+             params.matcher, params.mapper, params.max_features,
              f" at <= {params.sift_max_size} px" if params.sift_max_size else "")
 
     with tempfile.TemporaryDirectory(prefix="rayforge-poses-") as tmp, atomic_dir(out_dir) as out:
@@ -528,7 +675,7 @@ def run(params: PosesParams, ingest_dir: str | Path, out_dir: str | Path, metric
         db_path = work / "database.db"
 
         t = time.perf_counter()
-        extract(pycolmap, db_path, image_dir, names, params, gt)
+        extract(pycolmap, db_path, image_dir, names, params, gt, sizes, exif)
         times["extract"] = time.perf_counter() - t
         log.info("extract: %.1f s", times["extract"])
 
@@ -581,6 +728,18 @@ def run(params: PosesParams, ingest_dir: str | Path, out_dir: str | Path, metric
                 f"poses.min_registered_fraction={params.min_registered_fraction}. Unregistered: {shown}{more}. "
                 f"Try {'; or '.join(hints)}.")
 
+        # -- is the geometry plausible? (a registration fraction of 100 % can hide a collapsed model)
+        geometry = model_geometry(rec)
+        geometry["reasons"] = degenerate_reasons(geometry)
+        geometry["degenerate"] = bool(geometry["reasons"])
+        if geometry["degenerate"]:
+            msg = (f"SfM registered {len(registered)} of {len(names)} images, but the model looks degenerate: "
+                   + "; ".join(geometry["reasons"]))
+            if not params.allow_degenerate:
+                raise ValueError(f"{msg}. Check that the photos see the scene from different places (walk around "
+                                 "it, do not turn on the spot); poses.allow_degenerate: true keeps the model anyway")
+            log.warning("%s (kept: poses.allow_degenerate)", msg)
+
         # -- images and the COLMAP model (undistorted to PINHOLE when the model has distortion)
         t = time.perf_counter()
         if params.camera_model in PINHOLE_MODELS:
@@ -602,8 +761,7 @@ def run(params: PosesParams, ingest_dir: str | Path, out_dir: str | Path, metric
         cam_ids = sorted({by_name[n].camera_id for n in reg_names})
         if len(cam_ids) != 1 and params.camera_mode == "single":
             raise RuntimeError(f"expected one shared camera, the model has {cam_ids}")
-        # the shared keys are the first image's camera; with several cameras every frame has its own
-        intr = _intrinsics(out_rec.camera(by_name[reg_names[0]].camera_id))
+        intrs = [_intrinsics(out_rec.camera(by_name[n].camera_id)) for n in reg_names]
         w2c = np.stack([np.vstack([by_name[n].cam_from_world().matrix(), [0, 0, 0, 1]]) for n in reg_names])
         c2w = C.w2c_to_c2w(w2c)
         S = C.normalization_transform(c2w, params.align_up)
@@ -614,19 +772,15 @@ def run(params: PosesParams, ingest_dir: str | Path, out_dir: str | Path, metric
         rgb = np.array([pts[i].color for i in point_ids], dtype=np.uint8).reshape(-1, 3)
         xyz_n = C.apply_similarity_to_points(S, xyz)
         aabb = robust_aabb(xyz_n, c2w_n[:, :3, 3])
-        doc = C.write_transforms(out / "transforms.json", intr, [f"images/{n}" for n in reg_names], c2w_n, extra={
+        # one shared camera at the top level; several: every frame its own (nerfstudio's layout)
+        C.write_transforms(out / "transforms.json", intrs, [f"images/{n}" for n in reg_names], c2w_n, extra={
             "camera_model": "PINHOLE",  # what the images in images/ are
             "sfm_camera_model": params.camera_model,
+            "applied_transform": S[:3].tolist(),  # nerfstudio's key: SfM world (sparse/0) -> this frame
+            "ply_file_path": "points3D.ply",
             "normalization": S.tolist(),
             "aabb": aabb.tolist(),
         })
-        if len(cam_ids) > 1:  # per-frame intrinsics, nerfstudio's way of mixing cameras
-            for frame, n in zip(doc["frames"], reg_names):
-                fi = _intrinsics(out_rec.camera(by_name[n].camera_id))
-                frame.update(w=fi.width, h=fi.height, fl_x=fi.fx, fl_y=fi.fy, cx=fi.cx, cy=fi.cy)
-            atomic_write_json(out / "transforms.json", doc)
-            log.warning("%d cameras (camera_mode: per_size): transforms.json has per-frame intrinsics; a reader "
-                        "that takes only the shared keys sees the first image's camera", len(cam_ids))
         write_ply(out / "points3D.ply", xyz_n, rgb)
         split = make_split(reg_names, params.test_every)
         atomic_write_json(out / "split.json", split)
@@ -639,6 +793,7 @@ def run(params: PosesParams, ingest_dir: str | Path, out_dir: str | Path, metric
             "mean_reprojection_error_px": float(rec.compute_mean_reprojection_error()),
             "mean_track_length": float(rec.compute_mean_track_length()),
             "num_cameras": len(cam_ids),
+            "camera_mode": params.camera_mode,
             "mapper": params.mapper,
             "num_train": len(split["train"]),
             "num_test": len(split["test"]),
@@ -650,6 +805,7 @@ def run(params: PosesParams, ingest_dir: str | Path, out_dir: str | Path, metric
                 metrics["focal_error_rel"] = max(
                     abs(float(cam.focal_length_x) * float(gi["width"]) / cam.width - float(gi["fx"])) / float(gi["fx"])
                     for cam in (rec.camera(c) for c in {rec.image(i).camera_id for i in rec.reg_image_ids()}))
+        metrics["geometry"] = geometry
         metrics["registered"] = reg_names
         metrics["unregistered"] = [{"file": n, "reason": w} for n, w in reasons.items()]
         metrics["other_models"] = other_models

@@ -428,7 +428,8 @@ def _load_view_images(per_view: list[dict], evaluate_dir: Path, poses_dir: Path)
             raise ValueError(f"{evaluate_dir / 'per_view.json'}: entry {k} lacks {', '.join(missing)}")
         name = row["file"]
         render_path = evaluate_dir / "renders" / f"{Path(name).stem}.png"
-        gt_path = gt_files.get(name, poses_dir / "images" / name)
+        gt_path = evaluate_dir / "ground_truth" / f"{Path(name).stem}.png"  # as scored (shrunk, composited)
+        gt_path = gt_path if gt_path.is_file() else gt_files.get(name, poses_dir / "images" / name)
         if not render_path.is_file():
             raise ValueError(f"{render_path}: missing render of test view {name} (per_view.json lists it); "
                              "rerun `dvc repro evaluate`")

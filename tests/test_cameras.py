@@ -112,13 +112,61 @@ def test_write_read_transforms_round_trip(tmp_path):
     C.write_transforms(tmp_path / "transforms.json", intr, files, c2w,
                        extra={"camera_model": "PINHOLE", "aabb": [[-1, -1, -1], [1, 1, 1]]})
     intr2, files2, c2w2, doc = C.read_transforms(tmp_path / "transforms.json")
-    assert intr2 == intr
+    assert intr2 == [intr] * 4
     assert files2 == files
     np.testing.assert_allclose(c2w2, c2w, atol=1e-12)
     assert doc["camera_model"] == "PINHOLE" and doc["aabb"] == [[-1, -1, -1], [1, 1, 1]]
-    # the file holds OpenGL matrices
+    # the file holds OpenGL matrices, and one shared camera at the top level only
     raw = json.loads((tmp_path / "transforms.json").read_text())
     np.testing.assert_allclose(raw["frames"][1]["transform_matrix"], C.opencv_to_opengl(c2w[1]), atol=1e-12)
+    assert (raw["w"], raw["h"], raw["fl_x"]) == (200, 150, 190.5) and "fl_x" not in raw["frames"][0]
+
+
+def test_per_frame_intrinsics_round_trip_in_nerfstudios_layout(tmp_path):
+    """Cameras that differ (portrait and landscape) go in the frames, none at the top level; a
+    frame without its own keys falls back to the top level (a hand-edited or instant-ngp file)."""
+    c2w = random_c2w(np.random.default_rng(3), 3)
+    cams = [C.Intrinsics(200, 150, 190.5, 191.0, 99.5, 75.25), C.Intrinsics(150, 200, 191.0, 190.5, 75.25, 99.5),
+            C.Intrinsics(200, 150, 190.5, 191.0, 99.5, 75.25)]
+    files = [f"images/{k}.png" for k in range(3)]
+    C.write_transforms(tmp_path / "transforms.json", cams, files, c2w, extra={"ply_file_path": "points3D.ply"})
+    raw = json.loads((tmp_path / "transforms.json").read_text())
+    assert not {"w", "h", "fl_x", "fl_y", "cx", "cy"} & set(raw) and raw["ply_file_path"] == "points3D.ply"
+    assert [set(f) for f in raw["frames"]] == [{"file_path", "transform_matrix", *C.FRAME_CAMERA_KEYS}] * 3
+    assert (raw["frames"][1]["w"], raw["frames"][1]["h"], raw["frames"][1]["fl_x"]) == (150, 200, 191.0)
+    got, files2, c2w2, _ = C.read_transforms(tmp_path / "transforms.json")
+    assert got == cams and files2 == files
+    np.testing.assert_allclose(c2w2, c2w, atol=1e-12)
+    raw.update(w=200, h=150, fl_x=100.0)
+    for k in C.FRAME_CAMERA_KEYS:
+        del raw["frames"][2][k]
+    (tmp_path / "mixed.json").write_text(json.dumps(raw))
+    assert C.read_transforms(tmp_path / "mixed.json")[0][2] == C.Intrinsics(200, 150, 100.0, 100.0, 100.0, 75.0)
+    with pytest.raises(ValueError, match="write_transforms: 2 cameras for 3 frames"):
+        C.write_transforms(tmp_path / "bad.json", cams[:2], files, c2w)
+
+
+@pytest.mark.parametrize("frame, match", [
+    ({"fl_x": 0.0}, r"frame images/1.png: focal length must be > 0, got fl_x=0"),
+    ({"fl_y": -5.0}, r"frame images/1.png: focal length must be > 0"),
+    ({"w": 0}, r"frame images/1.png: image size must be whole positive pixels"),
+    ({"h": 10.5}, r"frame images/1.png: image size must be whole positive pixels"),
+    ({"cx": "1"}, r"frame images/1.png: cx must be a finite number"),
+])
+def test_read_transforms_names_the_frame_with_a_bad_camera(tmp_path, frame, match):
+    cams = [C.Intrinsics(20, 10, 9.0, 9.0, 10.0, 5.0), C.Intrinsics(10, 20, 9.0, 9.0, 5.0, 10.0)]
+    doc = C.write_transforms(tmp_path / "t.json", cams, ["images/0.png", "images/1.png"],
+                             random_c2w(np.random.default_rng(4), 2))
+    doc["frames"][1].update(frame)
+    (tmp_path / "t.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=match):
+        C.read_transforms(tmp_path / "t.json")
+    doc = C.write_transforms(tmp_path / "t.json", cams, ["images/0.png", "images/1.png"],
+                             random_c2w(np.random.default_rng(4), 2))
+    del doc["frames"][1]["fl_x"]  # and no top-level camera to fall back on
+    (tmp_path / "t.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="frame images/1.png: no 'fl_x' in the frame or at the top level"):
+        C.read_transforms(tmp_path / "t.json")
 
 
 def test_read_transforms_rejects_malformed(tmp_path):

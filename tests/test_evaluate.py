@@ -309,7 +309,7 @@ def test_bad_render_shape(setup):
         def render(self, intr, c2w_cv, chunk_rays):
             return torch.zeros(intr.height, intr.width, 4)
 
-    with pytest.raises(ValueError, match=r"model rendered \(24, 32, 4\)"):
+    with pytest.raises(ValueError, match=r"model rendered \(\d+, \d+, 4\) for view_000.png, expected \(\d+, \d+, 3\)"):
         _run(tmp_path, poses, model_dir, Wrong(poses))
 
 

@@ -323,8 +323,9 @@ MIRRORED = np.diag([1.0, 1, -1, 1]).tolist()
     (_with(("h",), KeyError), "both w and h"),
     (_with(("w",), 10.5), "whole number of pixels"),
     (_with(("w",), True), "w must be a number"),
-    (_with(("camera_model",), "OPENCV_FISHEYE"), "not supported"),
-    (_with(("k4",), 0.1), "fisheye"),
+    (_with(("camera_model",), "EQUIRECTANGULAR"), "not supported"),
+    (_with(("k4",), 0.1), "set camera_model: OPENCV_FISHEYE"),
+    (_with(("camera_model",), "OPENCV_FISHEYE") | {"p1": 0.1}, "OPENCV_FISHEYE has no p1, p2"),
     (_with(("aabb_scale",), float("inf")), "aabb_scale must be finite"),
     (_with(("applied_transform",), [1, 2]), "applied_transform must have shape"),
     (_with(("train_filenames",), ["b.png"]) | {"test_filenames": []}, "without a frame"),
@@ -352,12 +353,13 @@ def test_unreadable_json_and_missing_files(tmp_path):
 
 
 @pytest.mark.parametrize("name, text, match", [
-    ("cameras", "1 OPENCV_FISHEYE 10 10 1 1 1 1 0 0 0 0\n", "OPENCV_FISHEYE is not supported"),
+    ("cameras", "1 FOV 10 10 1 1 1 1 0.5\n", "FOV is not supported"),
     ("cameras", "1 THIS_MODEL 10 10 1 1 1\n", "unknown camera model"),
     ("cameras", "1 PINHOLE 10 10 1 1 1\n", "takes 4 parameters, got 3"),
     ("cameras", "1 PINHOLE 10 -10 1 1 1 1\n", "height must be > 0"),
     ("cameras", "1 PINHOLE 10 10 nan 1 1 1\n", "non-finite"),
-    ("cameras", "1 PINHOLE 10 10 0 1 1 1\n", "focal lengths must be > 0"),
+    ("cameras", "1 PINHOLE 10 10 0 1 1 1\n", r"image 1 \(a.png\) uses camera 1, whose focal lengths must be > 0"),
+    ("cameras", "1 SIMPLE_PINHOLE 10 10 -4 1 1\n", r"image 1 \(a.png\) uses camera 1, whose focal lengths"),
     ("cameras", "1 PINHOLE 10 10 1 1 1 1\n1 PINHOLE 10 10 1 1 1 1\n", "camera id 1 appears twice"),
     ("cameras", "x PINHOLE 10 10 1 1 1 1\n", "camera id must be an integer"),
     ("images", "1 1 0 0 0 0 0 0 1\n\n", "expected IMAGE_ID"),
@@ -365,7 +367,7 @@ def test_unreadable_json_and_missing_files(tmp_path):
     ("images", "1 1 0 0 0 0 0 inf 1 a.png\n\n", "non-finite"),
     ("images", "1 1 0 0 0 0 0 0 1 a.png\n1 2\n", "triples"),
     ("images", "1 1 0 0 0 0 0 0 1 a.png\n\n1 1 0 0 0 0 0 0 1 b.png\n\n", "image id 1 appears twice"),
-    ("images", "1 1 0 0 0 0 0 0 9 a.png\n\n", "uses camera 9"),
+    ("images", "1 1 0 0 0 0 0 0 9 a.png\n\n", r"image 1 \(a.png\) uses camera 9, which cameras.txt lacks"),
     ("points3D", "1 0 0 0 255 0 0 0.5 1\n", "IMAGE_ID POINT2D_IDX"),
     ("points3D", "1 0 0 0 256 0 0 0.5\n", "colour must be 0..255"),
     ("points3D", "1 0 0 0 1 2 3 0.5 1 -2\n", "track entry must be >= 0"),
@@ -556,10 +558,12 @@ def _check_outs(out: Path, m: dict, gt: dict, names: list[str]):
     rec = pycolmap.Reconstruction(out / "sparse" / "0")
     assert rec.num_reg_images() == len(names)
     assert {c.model_name for c in rec.cameras.values()} == {"PINHOLE"}
-    intr, files, c2w, doc = C.read_transforms(out / "transforms.json")
+    intrs, files, c2w, doc = C.read_transforms(out / "transforms.json")
     assert files == [f"images/{n}" for n in sorted(names)] and doc["camera_model"] == "PINHOLE"
-    with Image.open(out / "images" / names[0]) as im:
-        assert im.size == (intr.width, intr.height)
+    for f, intr in zip(files, intrs):  # every image has its camera's size
+        with Image.open(out / f) as im:
+            assert im.size == (intr.width, intr.height)
+    assert doc["ply_file_path"] == "points3D.ply" and np.allclose(doc["applied_transform"], doc["normalization"][:3])
     np.testing.assert_allclose(c2w[:, :3, 3].mean(0), 0, atol=1e-9)
     assert np.linalg.norm(c2w[:, :3, 3], axis=1).max() == pytest.approx(1.0)
     aabb = np.array(doc["aabb"])
@@ -656,7 +660,7 @@ def test_stage_imports_blender_layout_through_recursive_ingest(synth, tmp_path):
     assert doc["background"] == "white"
     px = np.asarray(Image.open(tmp_path / "poses" / "images" / "train_r_0.png"))
     assert (px[:, :10] == 255).all()
-    np.testing.assert_allclose(C.read_transforms(tmp_path / "poses" / "transforms.json")[0].fx, k["fx"], rtol=1e-6)
+    np.testing.assert_allclose(C.read_transforms(tmp_path / "poses" / "transforms.json")[0][0].fx, k["fx"], rtol=1e-6)
 
 
 def test_flat_ingest_of_a_blender_layout_is_ambiguous(tmp_path):
@@ -720,5 +724,5 @@ def test_shared_fern_llff_and_its_colmap_model_agree(shared_data, tmp_path):
     a = C.read_transforms(tmp_path / "a" / "poses" / "transforms.json")
     b = C.read_transforms(tmp_path / "b" / "poses" / "transforms.json")
     np.testing.assert_allclose(a[2], b[2], atol=1e-9)  # same poses, same normalization
-    assert a[0].fx == pytest.approx(3260.526 / 8, rel=1e-5)
-    assert abs(b[0].fx - a[0].fx) / a[0].fx < 0.02  # undistorted: nearly the same focal length
+    assert a[0][0].fx == pytest.approx(3260.526 / 8, rel=1e-5)
+    assert abs(b[0][0].fx - a[0][0].fx) / a[0][0].fx < 0.02  # undistorted: nearly the same focal length

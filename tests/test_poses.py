@@ -86,11 +86,17 @@ def test_sfm_writes_every_out(sfm, ingest):
     assert rec.num_reg_images() == 16 and rec.num_points3D() == m["num_points"]
     assert {c.model_name for c in rec.cameras.values()} == {"PINHOLE"}
 
-    intr, files, c2w, doc = C.read_transforms(out / "transforms.json")
+    intrs, files, c2w, doc = C.read_transforms(out / "transforms.json")
     assert files == [f"images/{n}" for n in names]
     w, h = Image.open(ingest / "images" / names[0]).size
-    assert (intr.width, intr.height) == (w, h)
+    assert (doc["w"], doc["h"]) == (w, h) and len(set(intrs)) == 1  # one shared camera: camera_mode auto
     assert doc["camera_model"] == "PINHOLE" and doc["sfm_camera_model"] == "PINHOLE"
+    assert m["camera_mode"] == "auto" and m["num_cameras"] == 1
+    # nerfstudio's keys: the points' file, and the SfM world -> this frame as 3x4
+    assert doc["ply_file_path"] == "points3D.ply"
+    np.testing.assert_allclose(doc["applied_transform"], np.array(doc["normalization"])[:3], atol=0)
+    g = m["geometry"]
+    assert not g["degenerate"] and g["reasons"] == [] and g["baseline_ratio"] > 0.3 and g["behind_fraction"] == 0
     centres = c2w[:, :3, 3]
     np.testing.assert_allclose(centres.mean(axis=0), 0, atol=1e-9)
     assert np.linalg.norm(centres, axis=1).max() == pytest.approx(1.0)
@@ -188,8 +194,8 @@ def mixed_ingest(ingest, tmp_path_factory) -> Path:
 
 
 def test_single_camera_rejects_mixed_sizes(mixed_ingest, tmp_path):
-    with pytest.raises(ValueError, match=r"different sizes.*camera_mode: per_size"):
-        poses.run(poses.PosesParams(), mixed_ingest, tmp_path / "out", tmp_path / "m.json")
+    with pytest.raises(ValueError, match=r"different sizes.*camera_mode: auto or per_size"):
+        poses.run(poses.PosesParams(camera_mode="single"), mixed_ingest, tmp_path / "out", tmp_path / "m.json")
     assert not (tmp_path / "out").exists()
 
 
@@ -224,7 +230,7 @@ def test_per_size_cameras_on_mixed_sizes(mixed_ingest, tmp_path):
     big, small = by_file["images/view_000.png"], by_file["images/view_001.png"]
     assert (big["w"], big["h"], small["w"], small["h"]) == (240, 180, 180, 135)
     assert small["fl_x"] == pytest.approx(0.75 * big["fl_x"], rel=0.03)
-    assert (doc["w"], doc["h"]) == (240, 180)  # the shared keys: the first image's camera
+    assert "w" not in doc and "fl_x" not in doc  # several cameras: none at the top level (nerfstudio)
     for f in doc["frames"]:
         assert Image.open(tmp_path / "out" / f["file_path"]).size == (f["w"], f["h"])
 
@@ -407,7 +413,8 @@ def test_unknown_params_key_rejected(tmp_path, capsys):
     ({"mapper": "hierarchical"}, "poses.mapper"),
     ({"sift_max_size": 32}, "poses.sift_max_size"),
     ({"device": "gpu"}, "poses.device"),
-    ({"camera_mode": "per_image"}, "poses.camera_mode"),
+    ({"camera_mode": "per_exif"}, "poses.camera_mode"),
+    ({"allow_degenerate": "yes"}, "poses.allow_degenerate"),
     ({"known_intrinsics": "exif"}, "poses.known_intrinsics"),
     ({"known_intrinsics": "params", "camera_params": [300.0, 200.0, 150.0]}, "poses.camera_params"),
     ({"known_intrinsics": "params", "camera_params": [-1.0, 300.0, 200.0, 150.0]}, "poses.camera_params"),

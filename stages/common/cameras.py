@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -140,58 +140,94 @@ def apply_similarity_to_points(S: np.ndarray, points: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------- transforms.json
 
+FRAME_CAMERA_KEYS = ("fl_x", "fl_y", "cx", "cy", "w", "h")  # nerfstudio's per-frame intrinsics
+
+
+def _camera_keys(intr: Intrinsics) -> dict[str, Any]:
+    return {"w": intr.width, "h": intr.height, "fl_x": intr.fx, "fl_y": intr.fy, "cx": intr.cx, "cy": intr.cy}
+
 
 def write_transforms(
     path: str | Path,
-    intr: Intrinsics,
+    intr: Intrinsics | Sequence[Intrinsics],
     files: list[str],
     c2w_cv: np.ndarray,
     extra: dict[str, Any] | None = None,
 ) -> dict:
-    """Write a nerfstudio / instant-ngp ``transforms.json`` (OpenGL ``transform_matrix``)."""
+    """Write a nerfstudio / instant-ngp ``transforms.json`` (OpenGL ``transform_matrix``).
+
+    ``intr``: one camera for every frame, or one per frame. Cameras that all agree are written
+    once at the top level (``w h fl_x fl_y cx cy``); otherwise every frame carries its own
+    ``fl_x fl_y cx cy w h`` and the top level none, as nerfstudio's ``colmap_to_json`` writes a
+    model with several cameras (so a reader that knows only the top-level keys fails instead of
+    using the wrong camera).
+    """
     from .io import atomic_write_json
 
-    doc: dict[str, Any] = {
-        "camera_model": "OPENCV",
-        "w": intr.width,
-        "h": intr.height,
-        "fl_x": intr.fx,
-        "fl_y": intr.fy,
-        "cx": intr.cx,
-        "cy": intr.cy,
-        "k1": 0.0,
-        "k2": 0.0,
-        "p1": 0.0,
-        "p2": 0.0,
-    }
+    cams = [intr] * len(files) if isinstance(intr, Intrinsics) else list(intr)
+    if len(cams) != len(files):
+        raise ValueError(f"write_transforms: {len(cams)} cameras for {len(files)} frames")
+    shared = len(set(cams)) == 1
+    doc: dict[str, Any] = {"camera_model": "OPENCV"}
+    if shared:
+        doc.update(_camera_keys(cams[0]))
+    doc.update({"k1": 0.0, "k2": 0.0, "p1": 0.0, "p2": 0.0})
     doc.update(extra or {})
-    doc["frames"] = [
-        {"file_path": f, "transform_matrix": opencv_to_opengl(m).tolist()} for f, m in zip(files, c2w_cv)
-    ]
+    frames = []
+    for f, m, cam in zip(files, c2w_cv, cams):
+        frame: dict[str, Any] = {"file_path": f, "transform_matrix": opencv_to_opengl(m).tolist()}
+        if not shared:
+            frame.update({k: _camera_keys(cam)[k] for k in FRAME_CAMERA_KEYS})
+        frames.append(frame)
+    doc["frames"] = frames
     atomic_write_json(path, doc)
     return doc
 
 
-def read_transforms(path: str | Path) -> tuple[Intrinsics, list[str], np.ndarray, dict]:
-    """Read a ``transforms.json`` with shared intrinsics; returns OpenCV camera-to-world poses."""
+def frame_intrinsics(doc: dict, frame: dict, where: str) -> Intrinsics:
+    """The camera of one frame of a ``transforms.json``: its own keys, else the top-level ones.
+
+    Raises ValueError naming ``where`` (the frame's image) for a missing or malformed key, a size
+    that is not a positive whole number or a focal length that is not > 0."""
+    def get(key: str, default: Any = None) -> Any:
+        v = frame.get(key, doc.get(key, default))
+        if v is None:
+            raise ValueError(f"{where}: no {key!r} in the frame or at the top level of transforms.json")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
+            raise ValueError(f"{where}: {key} must be a finite number, got {v!r}")
+        return v
+
+    w, h = get("w"), get("h")
+    if w != int(w) or h != int(h) or w < 1 or h < 1:
+        raise ValueError(f"{where}: image size must be whole positive pixels, got w={w!r} h={h!r}")
+    fx = float(get("fl_x"))
+    fy = float(get("fl_y", fx))
+    if fx <= 0 or fy <= 0:
+        raise ValueError(f"{where}: focal length must be > 0, got fl_x={fx:g} fl_y={fy:g}")
+    return Intrinsics(int(w), int(h), fx, fy, float(get("cx", w / 2)), float(get("cy", h / 2)))
+
+
+def read_transforms(path: str | Path) -> tuple[list[Intrinsics], list[str], np.ndarray, dict]:
+    """Read a ``transforms.json``; returns the cameras (one per frame: the frame's own
+    ``fl_x fl_y cx cy w h``, else the top-level ones), the file paths, OpenCV camera-to-world
+    poses [N, 4, 4] and the document."""
     path = Path(path)
     try:
         doc = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: cannot read transforms: {exc}") from None
     try:
-        w, h = int(doc["w"]), int(doc["h"])
-        fx = float(doc["fl_x"])
-        fy = float(doc.get("fl_y", fx))
-        cx, cy = float(doc.get("cx", w / 2)), float(doc.get("cy", h / 2))
         frames = doc["frames"]
         files = [str(f["file_path"]) for f in frames]
         mats = np.array([f["transform_matrix"] for f in frames], dtype=np.float64)
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: malformed transforms.json ({exc!r})") from None
+    if not files:
+        raise ValueError(f"{path}: malformed transforms.json (no frames)")
     if mats.ndim != 3 or mats.shape[1:] != (4, 4):
         raise ValueError(f"{path}: transform_matrix must be 4x4, got shape {mats.shape[1:]}")
-    return Intrinsics(w, h, fx, fy, cx, cy), files, opengl_to_opencv(mats), doc
+    cams = [frame_intrinsics(doc, fr, f"{path}, frame {f}") for f, fr in zip(files, frames)]
+    return cams, files, opengl_to_opencv(mats), doc
 
 
 # ---------------------------------------------------------------- alignment, pose errors

@@ -30,9 +30,8 @@ def camera_from_colmap(model: str, width: int, height: int, params: list[float],
     else:
         fx, fy, cx, cy, *dist = p
         dist = dist or [0.0] * 4
-    if fx <= 0 or fy <= 0:
-        raise _fail(where, f"focal lengths must be > 0, got {fx}, {fy}")
-    return Camera(width, height, fx, fy, cx, cy, tuple(float(d) for d in dist))
+    # focal lengths are checked per image (ImportedScene), so the error names the images that use it
+    return Camera(width, height, fx, fy, cx, cy, tuple(float(d) for d in dist), fisheye=model == "OPENCV_FISHEYE")
 
 
 def _tokens(text: str, where: Any) -> list[tuple[int, list[str]]]:
@@ -282,6 +281,9 @@ def read_colmap(path: str | Path, image_root: str | Path | None = None) -> Impor
     for iid, w2c, cid, name in images:
         if cid not in cams:
             raise _fail(files["images"], f"image {iid} ({name}) uses camera {cid}, which cameras.{ext} lacks")
+        if not (cams[cid].fx > 0 and cams[cid].fy > 0):
+            raise _fail(files["images"], f"image {iid} ({name}) uses camera {cid}, whose focal lengths must be > 0 "
+                                         f"(cameras.{ext}: fx {cams[cid].fx:g}, fy {cams[cid].fy:g})")
         names.append(resolve_inside(image_root, name, f"{files['images']}, image {iid}"))
         cameras.append(cams[cid])
         c2w.append(C.w2c_to_c2w(w2c))

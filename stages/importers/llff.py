@@ -36,7 +36,7 @@ def parse_poses_bounds(arr: Any, where: Any, names: list[str]) -> ImportedScene:
     m = a[:, :15].reshape(-1, 3, 5)
     cameras, c2w = [], []
     for k, row in enumerate(m):
-        at = f"{where}, row {k}"
+        at = f"{where}, row {k} ({names[k]})"
         T = np.eye(4)
         T[:3, 0], T[:3, 1], T[:3, 2] = row[:, 1], row[:, 0], -row[:, 2]  # (down, right, back) -> (right, down, forward)
         T[:3, 3] = row[:, 3]

@@ -18,7 +18,8 @@ COLMAP_MODELS = {0: ("SIMPLE_PINHOLE", 3), 1: ("PINHOLE", 4), 2: ("SIMPLE_RADIAL
                  4: ("OPENCV", 8), 5: ("OPENCV_FISHEYE", 8), 6: ("FULL_OPENCV", 12), 7: ("FOV", 5),
                  8: ("SIMPLE_RADIAL_FISHEYE", 4), 9: ("RADIAL_FISHEYE", 5), 10: ("THIN_PRISM_FISHEYE", 12),
                  11: ("RAD_TAN_THIN_PRISM_FISHEYE", 16)}
-SUPPORTED_MODELS = ("SIMPLE_PINHOLE", "PINHOLE", "SIMPLE_RADIAL", "RADIAL", "OPENCV", "FULL_OPENCV")
+SUPPORTED_MODELS = ("SIMPLE_PINHOLE", "PINHOLE", "SIMPLE_RADIAL", "RADIAL", "OPENCV", "FULL_OPENCV",
+                    "OPENCV_FISHEYE")
 ROTATION_TOL = 1e-4  # max |R^T R - I| of a rotation read from a file (float32 files are ~1e-7 off)
 MAX_SIDE = 100_000  # pixels; a larger image side is taken as a corrupt file
 
@@ -32,19 +33,23 @@ def _fail(where: Any, problem: str) -> ValueError:
 
 @dataclass(frozen=True)
 class Camera(C.Intrinsics):
-    """Intrinsics of one image in COLMAP's OPENCV / FULL_OPENCV parameterisation: the pinhole
-    :class:`stages.common.cameras.Intrinsics` plus lens distortion.
+    """Intrinsics of one image in COLMAP's OPENCV / FULL_OPENCV / OPENCV_FISHEYE
+    parameterisation: the pinhole :class:`stages.common.cameras.Intrinsics` plus lens distortion.
 
     ``fx, fy, cx, cy`` in pixels (the first pixel's centre at (0.5, 0.5)); ``dist`` is
     ``(k1, k2, p1, p2)`` or ``(k1, k2, p1, p2, k3, k4, k5, k6)`` (OpenCV's rational model),
-    all zero for a pinhole camera. SIMPLE_RADIAL and RADIAL are OPENCV with the missing
-    coefficients zero, so every supported model has one exact form here.
+    all zero for a pinhole camera; with ``fisheye`` it is OpenCV's fisheye ``(k1, k2, k3, k4)``.
+    SIMPLE_RADIAL and RADIAL are OPENCV with the missing coefficients zero, so every supported
+    model has one exact form here.
     """
 
     dist: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
+    fisheye: bool = False
 
     @property
     def model(self) -> str:
+        if self.fisheye:
+            return "OPENCV_FISHEYE"
         if not any(self.dist):
             return "PINHOLE"
         return "FULL_OPENCV" if any(self.dist[4:]) else "OPENCV"
@@ -53,7 +58,7 @@ class Camera(C.Intrinsics):
         base = [self.fx, self.fy, self.cx, self.cy]
         if self.model == "PINHOLE":
             return base
-        return base + list(self.dist[:4] if self.model == "OPENCV" else self.dist)
+        return base + list(self.dist[:4] if self.model in ("OPENCV", "OPENCV_FISHEYE") else self.dist)
 
     def resized(self, width: int, height: int) -> "Camera":
         """The camera of the same view resampled to ``width`` x ``height`` pixels (distortion

@@ -150,6 +150,8 @@ def write_empty_ply(path: Path) -> None:
 
 def _background(entries: list[dict], scene: ImportedScene) -> str | None:
     notes = " ".join(n for e in entries for n in e.get("notes", []) if isinstance(n, str))
+    if "alpha kept" in notes:
+        return "alpha kept"
     if "composited on" in notes:
         return "white" if "on white" in notes else "black"
     if "alpha channel dropped" in notes:
@@ -160,13 +162,36 @@ def _background(entries: list[dict], scene: ImportedScene) -> str | None:
     return None
 
 
+def ingested_cameras(scene: ImportedScene, regs: list[tuple[str, dict, int]]) -> tuple[list[str], list[Camera]]:
+    """Names and cameras of the matched ingested images ``regs`` (output name, manifest entry,
+    index into the scene): each image's camera from the file, rescaled to the ingested size.
+
+    An ingested image may be smaller than its camera says (ingest's ``max_size``, LLFF's
+    ``images_N``), never larger, and must keep the camera's aspect ratio."""
+    names, cams = [], []
+    for name, e, i in regs:
+        cam = scene.cameras[i]
+        where = f"image {scene.names[i]} (ingested from {e['source']} as {e['width']}x{e['height']})"
+        if e["width"] > cam.width or e["height"] > cam.height:
+            raise _fail(scene.path, f"{where} is larger than its camera, {cam.width}x{cam.height}; the camera file "
+                                    "must describe the photos as they are or larger")
+        if abs(cam.height * e["width"] / cam.width - e["height"]) > 1.0:
+            turned = e.get("exif_orientation") in (5, 6, 7, 8)  # ingest turned it upright: a quarter turn
+            raise _fail(scene.path, f"{where}: its camera is {cam.width}x{cam.height}, another aspect ratio"
+                                    + (" (the camera file describes the photo before its EXIF rotation, which "
+                                       "ingest applied)" if turned else ""))
+        names.append(name)
+        cams.append(cam.resized(e["width"], e["height"]))
+    return names, cams
+
+
 def run_import(params, ingest_dir: str | Path, out_dir: str | Path, metrics_path: str | Path) -> dict:
     """The poses stage for ``source != "sfm"``: cameras from ``params.camera_file``, images from
     the ingest stage; writes the same outs as the SfM path and returns the metrics."""
     from PIL import Image  # noqa: F401  (Pillow before pycolmap: their zlib copies clash the other way round)
     import pycolmap
 
-    from ..poses import _intrinsics, ground_truth_errors, make_split, write_ply
+    from ..poses import _intrinsics, ground_truth_errors, make_split, undistort, write_ply
 
     ingest_dir, out_dir, metrics_path = Path(ingest_dir), Path(out_dir), Path(metrics_path)
     remove(metrics_path)  # a failed run must leave neither the previous outs nor its numbers
@@ -189,43 +214,30 @@ def run_import(params, ingest_dir: str | Path, out_dir: str | Path, metrics_path
                          f"without a camera: {shown}. Camera file names: {', '.join(scene.names[:3])}...")
     for name, why in reasons.items():
         log.warning("not registered: %s: %s", name, why)
-    # intrinsics of the ingested images: the file's camera rescaled to the written size
-    names, cams = [], []
-    for name, e, i in regs:
-        cam = scene.cameras[i]
-        if abs(cam.height * e["width"] / cam.width - e["height"]) > 1.0:
-            raise _fail(scene.path, f"{scene.names[i]} is {cam.width}x{cam.height} there but ingested as "
-                                    f"{e['width']}x{e['height']} ({e['source']}): the aspect ratios differ")
-        names.append(name)
-        cams.append(cam.resized(e["width"], e["height"]))
+    names, cams = ingested_cameras(scene, regs)
     c2w = np.stack([scene.c2w[i] for _, _, i in regs])
-    kinds = sorted(set(cams), key=lambda c: names[cams.index(c)])
-    if len(kinds) > 1:
-        raise _fail(scene.path, f"the images have {len(kinds)} different cameras; the reconstruct stage needs one "
-                                "shared camera (one image size and intrinsics)")
-    cam = kinds[0]
+    kinds = list(dict.fromkeys(cams))  # one COLMAP camera per distinct camera, in sorted-name order
+    models = sorted({c.model for c in kinds})
+    distorted = models != ["PINHOLE"]
     times = {"read": time.perf_counter() - t_start}
 
     with tempfile.TemporaryDirectory(prefix="rayforge-import-") as tmp, atomic_dir(out_dir) as out:
         work = Path(tmp)
         t = time.perf_counter()
         rec = pycolmap.Reconstruction()
-        rec.add_camera_with_trivial_rig(pycolmap.Camera(camera_id=1, model=cam.model, width=cam.width,
-                                                        height=cam.height, params=cam.colmap_params()))
-        for k, (name, T) in enumerate(zip(names, c2w)):
+        for k, cam in enumerate(kinds):
+            rec.add_camera_with_trivial_rig(pycolmap.Camera(camera_id=k + 1, model=cam.model, width=cam.width,
+                                                            height=cam.height, params=cam.colmap_params()))
+        for k, (name, cam, T) in enumerate(zip(names, cams, c2w)):
             w2c = C.c2w_to_w2c(T)
-            rec.add_image_with_trivial_frame(pycolmap.Image(name=name, camera_id=1, image_id=k + 1),
+            rec.add_image_with_trivial_frame(pycolmap.Image(name=name, camera_id=kinds.index(cam) + 1, image_id=k + 1),
                                              pycolmap.Rigid3d(pycolmap.Rotation3d(w2c[:3, :3]), w2c[:3, 3]))
         for p, colour in zip(scene.points_xyz, scene.points_rgb):
             rec.add_point3D(p, pycolmap.Track(), colour)
-        if cam.model != "PINHOLE":
-            (work / "distorted").mkdir()
-            rec.write(work / "distorted")
-            pycolmap.undistort_images(work / "undistorted", work / "distorted", ingest_dir / "images",
-                                      image_names=names, output_type="COLMAP")
-            rec, src_images = pycolmap.Reconstruction(work / "undistorted" / "sparse"), work / "undistorted" / "images"
+        if distorted:  # image by image, each with its own camera
+            rec, src_images = undistort(pycolmap, rec, ingest_dir / "images", work)
             times["undistort"] = time.perf_counter() - t
-            log.info("undistort (%s): %.1f s", cam.model, times["undistort"])
+            log.info("undistort (%s, %d camera(s)): %.1f s", ", ".join(models), len(kinds), times["undistort"])
         else:
             src_images = ingest_dir / "images"
         (out / "images").mkdir()
@@ -234,21 +246,21 @@ def run_import(params, ingest_dir: str | Path, out_dir: str | Path, metrics_path
         (out / "sparse" / "0").mkdir(parents=True)
         rec.write(out / "sparse" / "0")
 
-        if rec.num_cameras() != 1:
-            raise RuntimeError(f"expected one camera after undistortion, got {rec.num_cameras()}")
-        intr = _intrinsics(next(iter(rec.cameras.values())))
+        by_name = {im.name: im for im in rec.images.values()}
+        intrs = [_intrinsics(rec.cameras[by_name[n].camera_id]) for n in names]
         S = C.normalization_transform(c2w, params.align_up)
         c2w_n = C.apply_similarity_to_c2w(S, c2w)
         xyz_n = C.apply_similarity_to_points(S, scene.points_xyz)
         aabb, aabb_rule = scene_aabb(xyz_n, c2w_n, cams, scene.near_far, scene.aabb_scale, S)
         background = _background([e for _, e, _ in regs], scene)
         extra = {"camera_model": "PINHOLE", "source": params.source, "source_layout": scene.layout,
-                 "source_camera_model": cam.model, "normalization": S.tolist(), "aabb": aabb.tolist()}
+                 "source_camera_model": ", ".join(models), "normalization": S.tolist(),
+                 "applied_transform": S[:3].tolist(), "ply_file_path": "points3D.ply", "aabb": aabb.tolist()}
         if scene.aabb_scale is not None:
             extra["aabb_scale"] = scene.aabb_scale
         if background is not None:
             extra["background"] = background
-        C.write_transforms(out / "transforms.json", intr, [f"images/{n}" for n in names], c2w_n, extra=extra)
+        C.write_transforms(out / "transforms.json", intrs, [f"images/{n}" for n in names], c2w_n, extra=extra)
         if len(xyz_n):
             write_ply(out / "points3D.ply", xyz_n, scene.points_rgb)
         else:
@@ -277,8 +289,9 @@ def run_import(params, ingest_dir: str | Path, out_dir: str | Path, metrics_path
             "num_cameras_in_file": len(scene.names),
             "num_cameras_without_image": len(scene.names) - len(names),
             "num_points": int(len(xyz_n)),
-            "source_camera_model": cam.model,
-            "undistorted": cam.model != "PINHOLE",
+            "source_camera_model": ", ".join(models),
+            "num_cameras": len(kinds),
+            "undistorted": distorted,
             "aabb_rule": aabb_rule,
             "split": split_rule,
             "num_train": len(split["train"]),
@@ -293,7 +306,7 @@ def run_import(params, ingest_dir: str | Path, out_dir: str | Path, metrics_path
         times["total"] = time.perf_counter() - t_start
         metrics["time_s"] = {k: round(v, 3) for k, v in times.items()}
     atomic_write_json(metrics_path, metrics)
-    log.info("poses: imported %d/%d cameras (%s, %s), %d points, box from %s, %s split, %.1f s -> %s",
-             len(names), len(entries), scene.layout, cam.model, len(xyz_n), aabb_rule, split_rule,
+    log.info("poses: imported %d/%d cameras (%s, %s, %d distinct), %d points, box from %s, %s split, %.1f s -> %s",
+             len(names), len(entries), scene.layout, ", ".join(models), len(kinds), len(xyz_n), aabb_rule, split_rule,
              times["total"], out_dir)
     return metrics

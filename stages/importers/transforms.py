@@ -14,7 +14,7 @@ from .scene import IMAGE_EXTS, Camera, ImportedScene, _fail, _matrix, _number, _
 
 CAMERA_KEYS = ("w", "h", "fl_x", "fl_y", "cx", "cy", "camera_angle_x", "camera_angle_y",
                "k1", "k2", "k3", "k4", "p1", "p2", "camera_model")
-PERSPECTIVE_MODELS = ("OPENCV", "PINHOLE", "SIMPLE_PINHOLE", "SIMPLE_RADIAL", "RADIAL")
+PERSPECTIVE_MODELS = ("OPENCV", "PINHOLE", "SIMPLE_PINHOLE", "SIMPLE_RADIAL", "RADIAL", "OPENCV_FISHEYE")
 
 
 def image_name(root: Path, file_path: Any, where: Any) -> str:
@@ -65,8 +65,12 @@ def camera_from_keys(keys: dict, where: Any, size: Callable[[], tuple[int, int]]
     cx = _number(keys.get("cx", w / 2), "cx", where)
     cy = _number(keys.get("cy", h / 2), "cy", where)
     k = {n: _number(keys.get(n, 0.0), n, where) for n in ("k1", "k2", "k3", "k4", "p1", "p2")}
+    if model == "OPENCV_FISHEYE":  # nerfstudio's fisheye: k1..k4 of OpenCV's fisheye model
+        if k["p1"] or k["p2"]:
+            raise _fail(where, f"camera_model OPENCV_FISHEYE has no p1, p2; got {k['p1']}, {k['p2']}")
+        return Camera(w, h, fx, fy, cx, cy, (k["k1"], k["k2"], k["k3"], k["k4"]), fisheye=True)
     if k["k4"]:
-        raise _fail(where, "k4 is a fisheye coefficient; fisheye cameras are not supported")
+        raise _fail(where, "k4 is a fisheye coefficient; set camera_model: OPENCV_FISHEYE for a fisheye camera")
     if model in ("PINHOLE", "SIMPLE_PINHOLE") and any(k.values()):
         raise _fail(where, f"camera_model {model} but non-zero distortion coefficients {k}")
     dist = (k["k1"], k["k2"], k["p1"], k["p2"]) + ((k["k3"], 0.0, 0.0, 0.0) if k["k3"] else ())
@@ -91,6 +95,7 @@ def parse_transforms(doc: Any, where: Any, root: Path) -> ImportedScene:
         if "file_path" not in fr or "transform_matrix" not in fr:
             raise _fail(at, "needs file_path and transform_matrix")
         name = image_name(root, fr["file_path"], at)
+        at = f"{at} ({name})"
         own = {k: fr[k] for k in CAMERA_KEYS if k in fr}
         per_frame |= bool(own)
         cameras.append(camera_from_keys({**top, **own}, at, lambda: _image_size(root, name, at)))

@@ -29,7 +29,7 @@ from stages.common.params import to_dict
 
 from .checkpoint import CheckpointStore, default_dir
 from .config import DistributedParams, ReconstructParams
-from .data import load_scene
+from .data import load_scene, working_side
 from .distributed import DistContext
 from .methods import all_optimizer_state
 from .train import train
@@ -72,7 +72,7 @@ def run(
     """
     ctx = ctx or DistContext(device=pick_device(params.device))
     device = ctx.device
-    scene = load_scene(poses_dir)
+    scene = load_scene(poses_dir, max_side=working_side(device))  # the CPU profile's working resolution
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     dp = params.distributed

@@ -22,6 +22,27 @@ import torch
 log = logging.getLogger("stages.reconstruct.telemetry")
 
 
+class ExpectedTime:
+    """Logs, once, how long the run is expected to take: after the first ``probe`` steps of this
+    session (one occupancy-grid refresh period of the NeRF), their mean wall time x the steps
+    left. The first steps are the slowest (lazy set-up, nothing pruned yet), so it errs long."""
+
+    def __init__(self, start: int, steps: int, device: torch.device, enabled: bool = True, probe: int = 16):
+        self.start, self.steps, self.device = start, steps, device
+        self.probe = probe if enabled and steps - start > 2 * probe else 0
+        self.t0 = time.perf_counter()
+
+    def after(self, done: int) -> None:
+        if not self.probe or done != self.start + self.probe:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the one sync: the probe's steps really finished
+        per_step = (time.perf_counter() - self.t0) / self.probe
+        left = per_step * (self.steps - done)
+        log.info("expected: about %.0f s (%.1f min) more for the %d steps left (%.3f s per step over steps "
+                 "%d..%d)", left, left / 60, self.steps - done, per_step, self.start + 1, done)
+
+
 class StepTimer:
     """Accumulates each step's wall time, split into communication (between
     :meth:`comm_begin` and :meth:`comm_end`) and the rest (compute).

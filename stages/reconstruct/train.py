@@ -49,11 +49,11 @@ from stages.common.params import to_dict
 
 from .checkpoint import CKPT_FORMAT, CheckpointMismatch, CheckpointStore, Expectation
 from .config import ReconstructParams
-from .data import Scene
+from .data import Scene, sizes_text
 from .distributed import DistContext, all_gather_objects, all_gather_tensor, broadcast_object, lr_scale, scale_learning_rates
 from .methods import all_optimizer_state, all_scheduler_state, build_method, expectation, load_optimizer_state
 from .parallel import make_strategy
-from .telemetry import MetricsServer, StepTimer, TensorBoardLog
+from .telemetry import ExpectedTime, MetricsServer, StepTimer, TensorBoardLog
 
 log = logging.getLogger("stages.reconstruct.train")
 
@@ -333,10 +333,10 @@ class Trainer:
         dp = p.distributed
         if ctx.is_main:
             log.info(
-                "training %s on %s for %d steps: %d train / %d test views at %dx%d, %d parameters, kernels %s; "
+                "training %s on %s for %d steps: %d train / %d test views at %s, %d parameters, kernels %s; "
                 "%d process(es) x %d %s (%d micro-batch(es)) per step, lr x %.3g (%s)",
                 p.method, self.device, p.steps, len(self.train_views), len(self.test_views),
-                self.train_views.intr.width, self.train_views.intr.height, m.num_params,
+                sizes_text(self.train_views), m.num_params,
                 "on" if m.use_kernels else "off", self.world, m.batch_size(), m.UNIT, self.M, self.factor,
                 dp.lr_scaling,
             )
@@ -350,12 +350,14 @@ class Trainer:
         bar = tqdm(range(self.start, p.steps), desc="reconstruct", unit="step", initial=self.start, total=p.steps,
                    disable=not (progress and ctx.is_main), mininterval=2.0)
         prof = StepProfiler(ctx.rank, self.device)
+        expected = ExpectedTime(self.start, p.steps, self.device, enabled=ctx.is_main)
         scale = self.M * self.world
         reported_skips = 0
         for step in bar:
             done = step + 1
             prof.at(step)
             extras, mine = self.step(step, timer)
+            expected.after(done)
             sums += extras.to(sums.device)
             local_acc += mine
 

@@ -12,11 +12,11 @@ import torch
 from stages.common.cameras import Intrinsics
 
 from ..config import NerfParams, ReconstructParams
-from ..data import RaySampler, image_rays
+from ..data import RaySampler, composite, image_rays
 from ..methods import resolve_use_kernels, step_optimizers
 from .field import NerfField
 from .occupancy import OccupancyGrid
-from .render import render_packed, render_rays, sample_jitter
+from .render import render_packed, render_rays, render_rays_early_stop, sample_jitter
 
 
 class NerfMethod:
@@ -33,6 +33,7 @@ class NerfMethod:
         self.cfg = cfg
         self.params = params
         self.device = device
+        self.background = background
         self.use_kernels = resolve_use_kernels(params.kernels, device)
         self.fused = cfg.fused_render == "on" or (cfg.fused_render == "auto" and self.use_kernels)
         self.graphed = self._captured_step(cfg.cuda_graph, params.distributed.overlap_comm)
@@ -168,6 +169,7 @@ class NerfMethod:
         if len(views) == 0:
             return None
         o, d, rgb = RaySampler(views, generator).sample(n_rays)
+        rgb = composite(rgb, self.background or (1.0, 1.0, 1.0))  # RGBA views: on the known colour, else white
         pred = self.render_rays(o, d)
         return -10.0 * math.log10(max(float(torch.mean((pred - rgb) ** 2)), 1e-10))
 
@@ -180,10 +182,12 @@ class NerfMethod:
 
     @torch.no_grad()
     def render_rays(self, o: torch.Tensor, d: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+        """Colours [R, 3] in [0, 1]; the dense renderer stops each ray early (render_rays_early_stop)."""
         outs = []
         for i in range(0, o.shape[0], chunk):
-            r = render_rays(self.field, self.grid, o[i : i + chunk], d[i : i + chunk], self.step_size,
-                            self.cfg.samples_per_ray, near=self.cfg.near, fused=self.fused)
+            args = (self.field, self.grid, o[i : i + chunk], d[i : i + chunk], self.step_size,
+                    self.cfg.samples_per_ray, self.cfg.near)
+            r = render_rays(*args, fused=True) if self.fused else render_rays_early_stop(*args)
             outs.append(r["rgb"])
         return torch.cat(outs).clamp(0, 1)
 
