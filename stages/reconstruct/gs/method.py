@@ -148,6 +148,10 @@ class GaussianMethod:
 
     def make_sampler(self, views, generator: torch.Generator) -> "_Views":
         self._has_alpha = views.channels == 4
+        if self._has_alpha and self.background is None:
+            # RGBA views with no known colour: evaluation composites them on white (evaluate stage), so
+            # the trained model renders onto white too (training itself draws random colours)
+            self.background = torch.ones(3, device=self.device)
         return _Views(views, ViewSampler(len(views), generator))
 
     def step_pre_forward(self, step: int, generator: torch.Generator) -> None:
@@ -256,8 +260,9 @@ class GaussianMethod:
         return render[0].clamp(0.0, 1.0)
 
     def state_dict(self) -> dict:
+        bg = self.background if self.background is not None else torch.full((3,), -1.0, device=self.device)
         return {"params": {k: self.gaussians[k].detach() for k in NAMES}, "sh_degree": self.cfg.sh_degree,
-                "version": self.VERSION, "extent": torch.tensor(self.extent),
+                "version": self.VERSION, "extent": torch.tensor(self.extent), "background": bg,
                 "densify": self.densify.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -272,6 +277,9 @@ class GaussianMethod:
             opt.param_groups[0]["params"] = [p]
             opt.state.clear()
         self.extent = float(state.get("extent", torch.tensor(self.extent)))
+        bg = state.get("background")
+        if bg is not None and float(bg.min()) >= 0:  # -1: none (black)
+            self.background = bg.to(self.device).float()
         if "densify" in state:
             self.densify.load_state_dict(state["densify"])
 

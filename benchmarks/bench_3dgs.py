@@ -1,0 +1,282 @@
+"""3DGS training, this project's method beside gsplat's, on the same GPU, data and starting Gaussians.
+
+    python benchmarks/bench_3dgs.py --poses lego=<poses out> --poses fern=<dir> --poses fox=<dir> \
+        --steps 7000 30000 --json benchmarks/results/gs_H200.json
+
+For every scene and step count both trainers start from the same Gaussians (this project's
+``gs.model.init_gaussians`` on the poses out's sparse points, or random in the box), see the
+same views in the same order (the method's epoch-shuffled sampler), with the same random
+backgrounds for RGBA views, the same hyperparameters (the 3DGS reference's: the learning-rate
+table, SH degree every 1000 steps, loss 0.8 L1 + 0.2 (1 - SSIM), densification from step 500
+to 15k every 100 steps, opacity reset every 3000) and the same SSIM loss kernel
+(``kernels.ssim``: gsplat's example trainer takes fused-ssim, which has no wheel; the same op
+in both loops keeps the comparison about the rasterizer, the densification and the loop).
+
+* ours: ``stages.reconstruct.train.train`` with ``reconstruct.method: 3dgs`` (the pipeline's
+  own loop: CUDA rasterizer kernels, fused SSIM, DensifyStrategy, fused Adam);
+* gsplat: ``gsplat.rasterization(..., packed=False)`` and ``gsplat.strategy.DefaultStrategy``
+  in a loop written after gsplat's ``examples/simple_trainer.py`` (its library as users call it;
+  Adam fused as ours). gsplat 1.5.3 compiles its CUDA on first use (~83 s): that happens before
+  any timing.
+
+Both are evaluated by the same code: every test view rendered at its own camera onto the
+evaluation background (white for RGBA views, as the evaluate stage composites them),
+clamped, scored with ``stages.common.metrics`` (PSNR, SSIM), and timed (render FPS). Training
+time is wall time of the loop (CUDA synchronised at the end), peak memory is
+``torch.cuda.max_memory_allocated`` over training. Prints a table; ``--json`` writes the rows.
+Needs only torch, gsplat and this repo on the GPU host.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from stages.common import metrics as M  # noqa: E402
+from stages.common.params import from_dict  # noqa: E402
+from stages.reconstruct.config import ReconstructParams  # noqa: E402
+from stages.reconstruct.data import composite, load_scene  # noqa: E402
+
+SEED = 0
+
+
+def our_params(steps: int, over: dict | None = None) -> ReconstructParams:
+    d = {"method": "3dgs", "device": "cuda", "steps": steps, "eval_every": 10**9, "tensorboard": False,
+         "distributed": {"gpus": 1, "checkpoint_every": 0, "replica_check_every": 0}, "gs": over or {}}
+    return from_dict(ReconstructParams, d, "reconstruct")
+
+
+def eval_background(scene) -> torch.Tensor:
+    if scene.background is not None:
+        return torch.tensor(scene.background)
+    return torch.ones(3) if scene.train.channels == 4 else torch.zeros(3)
+
+
+def gt_image(views, i: int, bg: torch.Tensor, device) -> torch.Tensor:
+    img = views.image(i).to(device).float() / 255.0
+    return composite(img, bg.to(device)) if img.shape[-1] == 4 else img
+
+
+def evaluate(render, scene, device) -> dict:
+    """PSNR / SSIM / FPS over the test views with ``render(intr, c2w) -> [H, W, 3]``."""
+    bg = eval_background(scene)
+    test = scene.test
+    psnrs, ssims, times = [], [], []
+    render(test.intr(0), test.c2w[0])  # warm-up
+    for i in range(len(test)):
+        gt = gt_image(test, i, bg, device)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        pred = render(test.intr(i), test.c2w[i]).clamp(0, 1)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        psnrs.append(M.psnr(pred.cpu(), gt.cpu()))
+        ssims.append(M.ssim(pred.cpu(), gt.cpu()))
+    return {"psnr": sum(psnrs) / len(psnrs), "ssim": sum(ssims) / len(ssims), "fps": len(times) / sum(times),
+            "test_views": len(test)}
+
+
+def run_ours(scene, steps: int, device, over: dict | None = None) -> dict:
+    from stages.reconstruct.train import train
+
+    params = our_params(steps, over)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    res = train(params, scene, device, SEED, progress=False)
+    peak = torch.cuda.max_memory_allocated(device)
+    m = res.method
+    out = {"impl": "rayforge", "train_s": res.train_time_s, "gaussians": m.n, "peak_gb": peak / 1e9,
+           "skipped_steps": res.skipped_steps}
+    out.update(evaluate(lambda intr, c2w: m.render_image(intr, c2w), scene, device))
+    return out
+
+
+def _viewmat(c2w: torch.Tensor) -> torch.Tensor:
+    R, t = c2w[:3, :3], c2w[:3, 3]
+    v = torch.eye(4, device=c2w.device)
+    v[:3, :3] = R.T
+    v[:3, 3] = -R.T @ t
+    return v
+
+
+def _K(intr, device) -> torch.Tensor:
+    return torch.tensor([[intr.fx, 0.0, intr.cx], [0.0, intr.fy, intr.cy], [0.0, 0.0, 1.0]], device=device)
+
+
+def run_gsplat(scene, steps: int, device) -> dict:
+    """gsplat's library in a loop after its examples/simple_trainer.py, with our shared pieces."""
+    import gsplat
+    from gsplat.strategy import DefaultStrategy
+
+    import kernels
+    from stages.reconstruct.gs.method import ViewSampler
+    from stages.reconstruct.gs.model import init_gaussians, scene_extent
+    from stages.reconstruct.train import seeded_generator
+
+    cfg = our_params(steps).gs
+    torch.manual_seed(SEED * 1_000_003)  # what the pipeline's loop seeds before building the method
+    g0 = torch.Generator(device=device).manual_seed(torch.initial_seed())
+    pts = None if scene.points is None else scene.points.to(device)
+    rgb = None if scene.point_rgb is None else scene.point_rgb.to(device)
+    init = init_gaussians(pts, rgb, scene.aabb.to(device), sh_degree=cfg.sh_degree, init_opacity=cfg.init_opacity,
+                          init_scale=cfg.init_scale, n_random=cfg.init_random, generator=g0)
+    extent = scene_extent(scene.train.c2w)
+    splats = torch.nn.ParameterDict({k: torch.nn.Parameter(v.detach().clone()) for k, v in init.items()})
+    lrs = {"means": cfg.means_lr * extent, "scales": cfg.scales_lr, "quats": cfg.quats_lr,
+           "opacities": cfg.opacities_lr, "sh0": cfg.sh0_lr, "shN": cfg.shN_lr}
+    optimizers = {k: torch.optim.Adam([{"params": splats[k], "lr": lr, "name": k}], eps=1e-15, fused=True)
+                  for k, lr in lrs.items()}
+    sched = torch.optim.lr_scheduler.ExponentialLR(optimizers["means"], (cfg.means_lr_final / cfg.means_lr) ** (1 / steps))
+    strategy = DefaultStrategy(verbose=False)
+    strategy.check_sanity(splats, optimizers)
+    state = strategy.initialize_state(scene_scale=extent)
+
+    views = scene.train.to(device)
+    shard = seeded_generator(SEED, 0, device)  # the pipeline's shard 0 stream: same view order, same backgrounds
+    order = ViewSampler(len(views), shard)
+    rgba = views.channels == 4
+    eval_bg = eval_background(scene).to(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for step in range(steps):
+        (i,) = order.sample(1)
+        img = views.image(i).float() / 255.0
+        intr = views.intr(i)
+        if rgba:
+            bg = torch.rand(3, generator=shard, device=shard.device).to(device)
+            gt = composite(img, bg)
+        else:
+            bg, gt = (eval_bg if scene.background is not None else torch.zeros(3, device=device)), img
+        sh_degree = min(step // cfg.sh_degree_every, cfg.sh_degree)
+        colors, alphas, info = gsplat.rasterization(
+            splats["means"], splats["quats"], torch.exp(splats["scales"]), torch.sigmoid(splats["opacities"]),
+            torch.cat([splats["sh0"], splats["shN"]], 1), _viewmat(views.c2w[i].float())[None],
+            _K(intr, device)[None], intr.width, intr.height, sh_degree=sh_degree, packed=False,
+            backgrounds=bg[None], near_plane=cfg.near, far_plane=cfg.far)
+        strategy.step_pre_backward(splats, optimizers, state, step, info)
+        pred = colors[0]
+        l1 = (pred - gt).abs().mean()
+        ssim = kernels.ssim(pred.permute(2, 0, 1)[None], gt.permute(2, 0, 1)[None])
+        loss = (1 - cfg.ssim_lambda) * l1 + cfg.ssim_lambda * (1 - ssim)
+        loss.backward()
+        for opt in optimizers.values():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        sched.step()
+        strategy.step_post_backward(splats, optimizers, state, step, info, packed=False)
+    torch.cuda.synchronize()
+    train_s = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(device)
+
+    @torch.no_grad()
+    def render(intr, c2w):
+        out, _, _ = gsplat.rasterization(
+            splats["means"], splats["quats"], torch.exp(splats["scales"]), torch.sigmoid(splats["opacities"]),
+            torch.cat([splats["sh0"], splats["shN"]], 1), _viewmat(c2w.to(device).float())[None],
+            _K(intr, device)[None], intr.width, intr.height, sh_degree=cfg.sh_degree, packed=False,
+            backgrounds=eval_bg[None], near_plane=cfg.near, far_plane=cfg.far)
+        return out[0]
+
+    out = {"impl": "gsplat", "train_s": train_s, "gaussians": int(splats["means"].shape[0]), "peak_gb": peak / 1e9}
+    out.update(evaluate(render, scene, device))
+    return out
+
+
+def warm_gsplat(device) -> float:
+    """Build gsplat's CUDA extension (JIT on first call) before anything is timed."""
+    import gsplat
+
+    t0 = time.perf_counter()
+    means = torch.randn(64, 3, device=device) * 0.1 + torch.tensor([0, 0, 2.0], device=device)
+    quats = torch.randn(64, 4, device=device)
+    scales = torch.full((64, 3), 0.05, device=device, requires_grad=True)
+    K = torch.tensor([[[50.0, 0, 32], [0, 50.0, 32], [0, 0, 1]]], device=device)
+    colors, _, _ = gsplat.rasterization(means, quats, scales, torch.full((64,), 0.5, device=device),
+                                        torch.rand(64, 16, 3, device=device), torch.eye(4, device=device)[None], K,
+                                        64, 64, sh_degree=3, packed=False)
+    colors.sum().backward()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--poses", action="append", required=True, metavar="NAME=DIR", help="a scene's poses out")
+    ap.add_argument("--steps", type=int, nargs="+", default=[7000])
+    ap.add_argument("--only", choices=("rayforge", "gsplat"), help="run one side only")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="reconstruct.gs override (ours)")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_3dgs: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", 0)
+    over = {}
+    for kv in args.set:
+        k, _, v = kv.partition("=")
+        import yaml
+
+        over[k] = yaml.safe_load(v)
+    have_gsplat = args.only != "rayforge"
+    build_s = None
+    if have_gsplat:
+        try:
+            import gsplat
+
+            print(f"gsplat {gsplat.__version__}: building its CUDA extension (first use)...", flush=True)
+            build_s = warm_gsplat(device)
+            print(f"gsplat ready in {build_s:.1f} s", flush=True)
+        except Exception as exc:  # the wheel is missing or does not build here
+            print(f"gsplat unavailable ({type(exc).__name__}: {exc}); our rows only", flush=True)
+            have_gsplat = False
+    rows = []
+    for spec in args.poses:
+        name, _, path = spec.partition("=")
+        scene = load_scene(path)
+        print(f"== {name}: {len(scene.train)} train / {len(scene.test)} test views, "
+              f"{0 if scene.points is None else len(scene.points)} sparse points", flush=True)
+        for steps in args.steps:
+            sides = [] if args.only == "gsplat" else ["rayforge"]
+            if have_gsplat:
+                sides.append("gsplat")
+            for impl in sides:
+                row = run_ours(scene, steps, device, over) if impl == "rayforge" else run_gsplat(scene, steps, device)
+                row.update(scene=name, steps=steps)
+                rows.append(row)
+                print(f"   {impl:8s} {steps:6d} steps: {row['train_s']:7.1f} s, PSNR {row['psnr']:.2f}, SSIM "
+                      f"{row['ssim']:.4f}, {row['gaussians']:,} Gaussians, {row['peak_gb']:.2f} GB, "
+                      f"{row['fps']:.0f} FPS", flush=True)
+    print("\n| scene | steps | impl | train s | time vs gsplat | PSNR | SSIM | Gaussians | peak GB | FPS |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ref = next((x for x in rows if x["impl"] == "gsplat" and x["scene"] == r["scene"] and x["steps"] == r["steps"]),
+                   None)
+        ratio = f"{r['train_s'] / ref['train_s']:.2f}x" if ref else ""
+        print(f"| {r['scene']} | {r['steps']} | {r['impl']} | {r['train_s']:.1f} | {ratio} | {r['psnr']:.2f} | "
+              f"{r['ssim']:.4f} | {r['gaussians']:,} | {r['peak_gb']:.2f} | {r['fps']:.0f} |")
+    if args.json:
+        env = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "python": platform.python_version(),
+               "gsplat_build_s": build_s}
+        try:
+            import gsplat
+
+            env["gsplat"] = gsplat.__version__
+        except ImportError:
+            pass
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
