@@ -10,7 +10,19 @@ needed), :mod:`kernels._driver` (module load and launch on PyTorch's stream), on
 """
 
 from ._driver import CudaDriverError, KernelProgram, available, unavailable_reason
+from ._gs_reference import intersect_tiles_reference
+from ._gs_reference import isect_offset_encode_reference
+from ._gs_reference import project_gaussians_reference
+from ._gs_reference import rasterize_to_pixels_reference
+from ._gs_reference import spherical_harmonics_reference
 from ._reference import composite_reference, hash_encode_reference, march_rays_reference
+from .gaussians import Projection
+from .gaussians import intersect_tiles
+from .gaussians import isect_offset_encode
+from .gaussians import project_gaussians
+from .gaussians import rasterization
+from .gaussians import rasterize_to_pixels
+from .gaussians import spherical_harmonics
 from .hashgrid import HashGrid, grid_resolutions, hash_encode
 from .loader import KernelCompileError
 from .render import Samples, composite, march_rays
@@ -20,6 +32,7 @@ __all__ = [
     "HashGrid",
     "KernelCompileError",
     "KernelProgram",
+    "Projection",
     "Samples",
     "available",
     "composite",
@@ -28,8 +41,19 @@ __all__ = [
     "grid_resolutions",
     "hash_encode",
     "hash_encode_reference",
+    "intersect_tiles",
+    "intersect_tiles_reference",
+    "isect_offset_encode",
+    "isect_offset_encode_reference",
     "march_rays",
     "march_rays_reference",
+    "project_gaussians",
+    "project_gaussians_reference",
+    "rasterization",
+    "rasterize_to_pixels",
+    "rasterize_to_pixels_reference",
+    "spherical_harmonics",
+    "spherical_harmonics_reference",
     "unavailable_reason",
 ]
 
