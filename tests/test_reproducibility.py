@@ -130,7 +130,7 @@ def state_differences(runs: tuple[Path, Path]) -> list[str]:
     assert a["step"] == b["step"] == PARAMS["reconstruct"]["steps"]
     assert a["config"] == b["config"]
     return (_differences(_tensors(a["state"]), _tensors(b["state"]))
-            + _differences(_tensors(a["optimizer"]), _tensors(b["optimizer"])))
+            + _differences(_tensors(a["optimizers"]), _tensors(b["optimizers"])))
 
 
 def _curves(runs: tuple[Path, Path]) -> list[list[dict]]:
