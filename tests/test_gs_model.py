@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -464,3 +465,89 @@ def test_densify_params_are_checked():
         dz.DensifyParams(refine_every=0)
     with pytest.raises(ParamsError, match="max_gaussians"):
         dz.DensifyParams(max_gaussians=-1)
+
+
+# ---------------------------------------------------------------------------- PLY
+
+
+@pytest.mark.parametrize("degree", [0, 1, 2, 3])
+def test_ply_round_trip_is_bit_exact(tmp_path, degree):
+    from stages.reconstruct.gs.ply import load_ply, save_ply
+
+    g = torch.Generator().manual_seed(degree)
+    k = (degree + 1) ** 2
+    params = {"means": torch.randn(257, 3, generator=g), "quats": torch.randn(257, 4, generator=g),
+              "scales": torch.randn(257, 3, generator=g) - 4, "opacities": torch.randn(257, generator=g),
+              "sh0": torch.randn(257, 1, 3, generator=g), "shN": torch.randn(257, k - 1, 3, generator=g)}
+    params["means"][0] = torch.tensor([1e-38, -0.0, 3.4e38])  # subnormal, negative zero, near max
+    save_ply(tmp_path / "g.ply", {n: nn.Parameter(v) for n, v in params.items()})
+    back = load_ply(tmp_path / "g.ply")
+    assert set(back) == set(params)
+    for name, value in params.items():
+        assert back[name].dtype == torch.float32 and torch.equal(back[name], value), name
+    assert torch.equal(back["means"][0].view(torch.int32), params["means"][0].view(torch.int32))  # -0.0
+    header = (tmp_path / "g.ply").read_bytes().split(b"end_header\n")[0].decode().split("\n")
+    names = [line.split()[-1] for line in header if line.startswith("property")]
+    assert names[:9] == ["x", "y", "z", "nx", "ny", "nz", "f_dc_0", "f_dc_1", "f_dc_2"]
+    assert names[9:-8] == [f"f_rest_{i}" for i in range(3 * (k - 1))]
+    assert names[-8:] == ["opacity", "scale_0", "scale_1", "scale_2", "rot_0", "rot_1", "rot_2", "rot_3"]
+    assert header[1] == "format binary_little_endian 1.0" and header[2] == "element vertex 257"
+    if degree:  # channel-major f_rest: the first K - 1 values of a row are red's coefficients
+        row = np.frombuffer((tmp_path / "g.ply").read_bytes()[-257 * 4 * len(names):], "<f4")
+        row = row.reshape(257, len(names))[5]
+        assert np.array_equal(row[9:9 + k - 1], params["shN"][5, :, 0].numpy())
+        assert np.array_equal(row[9 + k - 1:9 + 2 * (k - 1)], params["shN"][5, :, 1].numpy())
+
+
+def test_open3d_reads_the_ply_as_gaussians(tmp_path):
+    """An independent reader of the layout: Open3D's tensor point cloud knows the 3DGS PLY attributes
+    and un-permutes the channel-major f_rest into [N, K - 1, 3] itself. On reading it takes exp of the
+    scales and rescales the quaternions in its own way, so ``rot`` is not compared."""
+    o3d = pytest.importorskip("open3d")
+    from stages.reconstruct.gs.ply import save_ply
+
+    g = torch.Generator().manual_seed(7)
+    params = {"means": torch.randn(30, 3, generator=g), "quats": torch.randn(30, 4, generator=g),
+              "scales": torch.randn(30, 3, generator=g), "opacities": torch.randn(30, generator=g),
+              "sh0": torch.randn(30, 1, 3, generator=g), "shN": torch.randn(30, 15, 3, generator=g)}
+    save_ply(tmp_path / "g.ply", params)
+    cloud = o3d.t.io.read_point_cloud(str(tmp_path / "g.ply")).point
+    assert np.array_equal(cloud["positions"].numpy(), params["means"].numpy())
+    assert np.array_equal(cloud["f_dc"].numpy(), params["sh0"][:, 0].numpy())
+    assert np.array_equal(cloud["f_rest"].numpy(), params["shN"].numpy())
+    np.testing.assert_allclose(cloud["scale"].numpy(), params["scales"].exp().numpy(), rtol=1e-6)
+    assert np.array_equal(cloud["opacity"].numpy()[:, 0], params["opacities"].numpy())
+
+
+def test_ply_bad_files_and_values(tmp_path):
+    from stages.reconstruct.gs.ply import load_ply, save_ply
+
+    params = gm.init_gaussians(torch.rand(20, 3), None, None, sh_degree=1)
+    good = tmp_path / "good.ply"
+    save_ply(good, params)
+    data = good.read_bytes()
+    cases = {
+        "trunc.ply": (data[:-5], "truncated"),
+        "tail.ply": (data + b"\0", "trailing bytes"),
+        "ascii.ply": (data.replace(b"binary_little_endian", b"ascii", 1), "not supported"),
+        "magic.ply": (b"plx" + data[3:], "not a PLY"),
+        "noend.ply": (data.replace(b"end_header", b"end_headr", 1), "not a PLY"),
+        "missing.ply": (data.replace(b"property float opacity", b"property float opacitx", 1), "opacity"),
+        "int.ply": (data.replace(b"property float x\n", b"property int x\n", 1), r"\['x'\] must be float"),
+        "gap.ply": (data.replace(b"float f_rest_8\n", b"float f_rest_10\n", 1), "numbered 0..M-1"),
+        "count.ply": (data.replace(b"float f_rest_8\n", b"float extra\n", 1), "8 f_rest properties"),
+        "list.ply": (data.replace(b"property float nz", b"property list uchar int nz", 1), "list"),
+    }
+    for name, (blob, message) in cases.items():
+        (tmp_path / name).write_bytes(blob)
+        with pytest.raises(ValueError, match=message):
+            load_ply(tmp_path / name)
+    with pytest.raises(ValueError, match="cannot read"):
+        load_ply(tmp_path / "absent.ply")
+    bad = {n: p.detach().clone() for n, p in params.items()}
+    bad["scales"][3, 1] = float("inf")
+    with pytest.raises(ValueError, match="not finite in 1 of 20"):
+        save_ply(tmp_path / "inf.ply", bad)
+    assert not (tmp_path / "inf.ply").exists()
+    with pytest.raises(ValueError, match="shN"):
+        save_ply(tmp_path / "k.ply", {**bad, "shN": torch.zeros(20, 4, 3)})
