@@ -6,6 +6,8 @@ from typing import Literal
 
 from stages.common.params import check
 
+from .gs.densify import DensifyParams
+
 
 @dataclass
 class NerfParams:
@@ -155,16 +157,8 @@ class GaussianParams:
     # where the training images live: "auto" on the GPU when they fit in a quarter of its free
     # memory, else in pinned CPU memory (copied per step); "cuda" | "cpu" force it
     images_on: Literal["auto", "cuda", "cpu"] = "auto"
-    max_gaussians: int = 0  # densification stops growing at this many (0 = no budget)
-    refine_start: int = 500
-    refine_stop: int = 15_000
-    refine_every: int = 100
-    reset_every: int = 3000
-    grow_grad2d: float = 2e-4
-    grow_scale3d: float = 0.01
-    prune_opacity: float = 0.005
-    prune_scale3d: float = 0.1
-    absgrad: bool = False
+    # adaptive density control (gs/densify.py): schedule, thresholds, the Gaussian budget max_gaussians
+    densify: DensifyParams = field(default_factory=DensifyParams)
 
     def __post_init__(self) -> None:
         check(0 <= self.sh_degree <= 3, "sh_degree", "must be in 0..3", self.sh_degree)
@@ -181,13 +175,6 @@ class GaussianParams:
         switch(self, "random_background")
         check(self.eps2d >= 0, "eps2d", "must be >= 0", self.eps2d)
         check(0 < self.near < self.far, "near", "must be > 0 and < far", self.near)
-        check(self.max_gaussians >= 0, "max_gaussians", "must be >= 0 (0 = no budget)", self.max_gaussians)
-        check(self.refine_every >= 1, "refine_every", "must be >= 1", self.refine_every)
-        check(0 <= self.refine_start <= self.refine_stop, "refine_start", "must be in 0..refine_stop",
-              self.refine_start)
-        check(self.reset_every >= 1, "reset_every", "must be >= 1", self.reset_every)
-        check(self.grow_grad2d > 0, "grow_grad2d", "must be > 0", self.grow_grad2d)
-        check(0 < self.prune_opacity < 1, "prune_opacity", "must be in (0, 1)", self.prune_opacity)
 
 
 @dataclass

@@ -22,8 +22,9 @@ import torch
 from stages.common.cameras import Intrinsics
 
 from ..methods import resolve_use_kernels, step_optimizers
-from .densify import DensifyParams, DensifyStrategy
-from .model import NAMES, init_gaussians, make_optimizers, scene_extent, sh_degree_at
+from .densify import DensifyStrategy
+from .model import PARAM_NAMES as NAMES
+from .model import init_gaussians, make_optimizers, scene_extent, sh_degree_at
 
 log = logging.getLogger("stages.reconstruct.gs")
 
@@ -91,30 +92,27 @@ class GaussianMethod:
         if scene is not None:
             pts = None if scene.points is None else scene.points.to(device)
             rgb = None if scene.point_rgb is None else scene.point_rgb.to(device)
-            g = torch.Generator(device=device).manual_seed(torch.initial_seed())
+            g = torch.Generator().manual_seed(torch.initial_seed())  # the same Gaussians on every rank
             self.gaussians = init_gaussians(pts, rgb, self.aabb, sh_degree=cfg.sh_degree,
                                             init_opacity=cfg.init_opacity, init_scale=cfg.init_scale,
-                                            n_random=cfg.init_random, generator=g)
+                                            n_random=cfg.init_random, generator=g, device=device)
             self.extent = scene_extent(scene.train.c2w)
             source = "sparse points" if pts is not None and len(pts) else f"{cfg.init_random} random in the box"
             log.info("3DGS: %d Gaussians from %s, scene extent %.3f", self.n, source, self.extent)
         else:  # a state dict follows (load_state_dict)
-            self.gaussians = init_gaussians(None, None, self.aabb, sh_degree=cfg.sh_degree, n_random=1,
-                                            generator=torch.Generator(device=device).manual_seed(0))
+            self.gaussians = init_gaussians(None, None, self.aabb, sh_degree=cfg.sh_degree, n_random=4,
+                                            generator=torch.Generator().manual_seed(0), device=device)
             self.extent = 1.0
         self.optimizers = make_optimizers(
             self.gaussians, means_lr=cfg.means_lr, scene_extent=self.extent, sh0_lr=cfg.sh0_lr, shN_lr=cfg.shN_lr,
             opacities_lr=cfg.opacities_lr, scales_lr=cfg.scales_lr, quats_lr=cfg.quats_lr,
-            batch_views=cfg.batch_views, fused=device.type == "cuda")
+            # gsplat and Grendel-GS: lr x sqrt(views per step), eps / sqrt(views); the loop adds x sqrt(ranks)
+            lr_scale=math.sqrt(cfg.batch_views), eps=1e-15 / math.sqrt(cfg.batch_views),
+            fused=device.type == "cuda")
         gamma = (cfg.means_lr_final / cfg.means_lr) ** (1.0 / max(1, params.steps))
         self.schedulers = {"means": torch.optim.lr_scheduler.ExponentialLR(self.optimizers["means"], gamma)}
-        self.densify = DensifyStrategy(DensifyParams(
-            refine_start=cfg.refine_start, refine_stop=cfg.refine_stop, refine_every=cfg.refine_every,
-            reset_every=cfg.reset_every, grow_grad2d=cfg.grow_grad2d, grow_scale3d=cfg.grow_scale3d,
-            prune_opa=cfg.prune_opacity, prune_scale3d=cfg.prune_scale3d, absgrad=cfg.absgrad,
-            max_gaussians=cfg.max_gaussians))
+        self.densify = DensifyStrategy(cfg.densify)
         self._metas: list[dict] = []
-        self._budget_logged = False
         self.densify_log: list[dict] = []
         self._has_alpha = False
 
@@ -197,7 +195,7 @@ class GaussianMethod:
                 gt = gt * a + bg * (1.0 - a)
             viewmat = _viewmats(views.c2w[i:i + 1].to(self.device).float())
             render, _, meta = self._render(viewmat, _K(intr, self.device)[None], intr.width, intr.height,
-                                           self.sh_degree(step), bg[None], absgrad=self.cfg.absgrad)
+                                           self.sh_degree(step), bg[None], absgrad=self.cfg.densify.absgrad)
             pred = render[0]
             l1 = (pred - gt).abs().mean()
             ssim = kernels.ssim(pred.permute(2, 0, 1)[None], gt.permute(2, 0, 1)[None])
@@ -218,23 +216,20 @@ class GaussianMethod:
     def after_step(self, step: int, strategy) -> bool:
         """Densification statistics of this step's renders; clone, split, prune at refine steps."""
         metas, self._metas = self._metas, []
-        if step >= self.cfg.refine_stop:
+        if not self.densify.active(step):
             return False
         for meta in metas:
             self.densify.accumulate(meta)
+        self.densify.reduce = lambda stats: _reduced(strategy, stats)
         before = self.n
-        out = self.densify.step(step, self.gaussians, self.optimizers, self._shared, self.extent,
-                                reduce=lambda ts, ops: strategy.reduce_stats(ts, ops))
-        if not out:
-            return False
-        if out.get("budget_hit") and not self._budget_logged:
-            log.warning("3DGS: the Gaussian budget (reconstruct.gs.max_gaussians = %d) is reached at step %d; "
-                        "densification stops growing", self.cfg.max_gaussians, step + 1)
-            self._budget_logged = True
-        changed = self.n != before or out.get("n_dupli", 0) or out.get("n_split", 0) or out.get("n_prune", 0)
+        out = self.densify.step(step, self.gaussians, self.optimizers, self._shared, self.extent)
+        if out["budget_hit"]:
+            log.warning("3DGS: the Gaussian budget (reconstruct.gs.densify.max_gaussians = %d) is reached at "
+                        "step %d; densification stops growing", self.cfg.densify.max_gaussians, step + 1)
+        changed = self.n != before or out["duplicated"] or out["split"] or out["pruned"]
         if changed:
-            self.densify_log.append({"step": step + 1, "gaussians": self.n,
-                                     **{k: int(v) for k, v in out.items() if isinstance(v, (int, bool))}})
+            self.densify_log.append({"step": step + 1, "gaussians": self.n, "duplicated": out["duplicated"],
+                                     "split": out["split"], "pruned": out["pruned"]})
         return bool(changed)
 
     @torch.no_grad()
@@ -289,6 +284,14 @@ class GaussianMethod:
 
     _step = 0
     _shared: torch.Generator | None = None
+
+
+def _reduced(strategy, stats: dict) -> dict:
+    """Densification statistics made global through the parallel strategy (sum, sum, max)."""
+    summed = torch.stack([stats["grad2d"], stats["count"]])
+    radii = stats["radii"].clone()
+    strategy.reduce_stats([summed, radii], ["sum", "max"])
+    return {"grad2d": summed[0], "count": summed[1], "radii": radii}
 
 
 class _Batch:
