@@ -22,7 +22,7 @@ BLOCK = 256  # threads per block of the per-Gaussian and per-intersection kernel
 MAX_CHANNELS = 4  # rasterize kernels exist for 1..4 channels; more go through in chunks of 4
 DEFINES = {"RF_ALPHA_MIN": f"({ALPHA_MIN!r}f)", "RF_ALPHA_MAX": f"({ALPHA_MAX!r}f)",
            "RF_T_MIN": f"({T_MIN!r}f)", "RF_EXTEND": f"({EXTEND!r}f)"}
-_PROJECT = ["projection_fwd", "projection_bwd", "sh_fwd", "sh_bwd"]
+_PROJECT = ["check_inputs", "projection_fwd", "projection_bwd", "sh_fwd", "sh_bwd"]
 _TILES = ["tile_counts", "tile_emit", "tile_finish", "tile_offsets"]
 _RASTER = [f"rasterize_{p}<{d}>" for d in range(1, MAX_CHANNELS + 1) for p in ("fwd", "bwd")]
 _programs: dict[str, KernelProgram] = {}
@@ -55,6 +55,17 @@ def _grad(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- projection
+
+
+def check_inputs(means, quats, scales, viewmats, Ks) -> int:
+    """The bits of kernels.gaussians.VALUE_CHECKS that fail (one host read)."""
+    N, C = means.shape[0], viewmats.shape[0]
+    flags = torch.zeros(1, dtype=torch.int32, device=means.device)
+    program("project").launch("check_inputs", _blocks(max(N, C)), (BLOCK,),
+                              [(N, i64), _p(means), _p(quats), _p(scales), (C, i32), _p(viewmats), _p(Ks), _p(flags)],
+                              device=means.device)
+    return int(flags)
+
 
 
 class _Project(torch.autograd.Function):

@@ -79,6 +79,35 @@ def _check_tile_size(tile_size) -> None:
         raise ValueError(f"tile_size must be one of {TILE_SIZES}, got {tile_size!r}")
 
 
+# The value checks of the Gaussians and cameras: a bit each (the CUDA path computes them in one
+# kernel, csrc/gaussians_project.cu check_inputs), the first failing one is raised.
+VALUE_CHECKS = (
+    (1, "means must be finite (found NaN or inf)"),
+    (2, "scales must be finite (found NaN or inf)"),
+    (4, "quats must be finite (found NaN or inf)"),
+    (8, "quats must be non-zero: found a quaternion of norm 0 (or one whose squared norm under- or "
+        "overflows float32)"),
+    (16, "viewmats must be finite"),
+    (32, "Ks must be finite with fx, fy > 0"),
+)
+
+
+def _check_values(means, quats, scales, viewmats, Ks) -> None:
+    """Raise the first failing VALUE_CHECKS entry (one host read)."""
+    if _use_cuda(means.device):
+        bits = _cuda().check_inputs(means, quats, scales, viewmats, Ks)
+    else:
+        norm2 = (quats * quats).sum(-1)
+        failed = torch.stack([~torch.isfinite(means).all(), ~torch.isfinite(scales).all(),
+                              ~torch.isfinite(quats).all(), ~((norm2 > 0) & torch.isfinite(norm2)).all(),
+                              ~torch.isfinite(viewmats).all(),
+                              ~(torch.isfinite(Ks).all() & (Ks[:, 0, 0] > 0).all() & (Ks[:, 1, 1] > 0).all())])
+        bits = sum(bit for (bit, _), bad in zip(VALUE_CHECKS, failed.tolist()) if bad)
+    for bit, message in VALUE_CHECKS:
+        if bits & bit:
+            raise ValueError(message)
+
+
 def _raise_flags(flags: list[tuple[str, torch.Tensor]]) -> None:
     """One host read for several on-device conditions; raise for the first that holds."""
     if not flags:
@@ -89,32 +118,19 @@ def _raise_flags(flags: list[tuple[str, torch.Tensor]]) -> None:
             raise ValueError(message)
 
 
-def _check_gaussians(means, quats, scales, sizes: dict) -> list:
-    """Shape, dtype, device and layout checks; returns the on-device value checks for _raise_flags."""
+def _check_gaussians(means, quats, scales, sizes: dict) -> None:
     _check("means", means, ("N", 3), sizes)
     dev = means.device
     _check("quats", quats, ("N", 4), sizes, device=dev)
     _check("scales", scales, ("N", 3), sizes, device=dev)
-    norm2 = (quats * quats).sum(-1)
-    return [
-        ("means must be finite (found NaN or inf)", ~torch.isfinite(means).all()),
-        ("scales must be finite (found NaN or inf)", ~torch.isfinite(scales).all()),
-        ("quats must be finite (found NaN or inf)", ~torch.isfinite(quats).all()),
-        ("quats must be non-zero: found a quaternion of norm 0 (or one whose squared norm "
-         "under- or overflows float32)", ~((norm2 > 0) & torch.isfinite(norm2)).all()),
-    ]
 
 
-def _check_cameras(viewmats, Ks, width, height, sizes: dict, device) -> list:
-    """As _check_gaussians, for the cameras and the image size."""
+def _check_cameras(viewmats, Ks, width, height, sizes: dict, device) -> None:
     _check("viewmats", viewmats, ("C", 4, 4), sizes, device=device)
     _check("Ks", Ks, ("C", 3, 3), sizes, device=device)
     _check_image(width, height)
     if sizes["C"] < 1:
         raise ValueError("viewmats must hold at least one camera, got C=0")
-    return [("viewmats must be finite", ~torch.isfinite(viewmats).all()),
-            ("Ks must be finite with fx, fy > 0",
-             ~(torch.isfinite(Ks).all() & (Ks[:, 0, 0] > 0).all() & (Ks[:, 1, 1] > 0).all()))]
 
 
 def _check_planes(eps2d, near, far, radius_clip) -> None:
@@ -166,12 +182,12 @@ def project_gaussians(means, quats, scales, viewmats, Ks, width: int, height: in
         :class:`Projection`; differentiable in means, quats, scales.
     """
     sizes: dict = {}
-    flags = _check_gaussians(means, quats, scales, sizes) + _check_cameras(viewmats, Ks, width, height, sizes,
-                                                                           means.device)
+    _check_gaussians(means, quats, scales, sizes)
+    _check_cameras(viewmats, Ks, width, height, sizes, means.device)
     _check_planes(eps2d, near, far, radius_clip)
     if opacities is not None:
         _check("opacities", opacities, ("N",), sizes, device=means.device)
-    _raise_flags(flags)
+    _check_values(means, quats, scales, viewmats, Ks)
     return _project(means, quats, scales, viewmats, Ks, width, height, eps2d, near, far, radius_clip,
                     antialiased, opacities, radii_per_axis)
 
@@ -387,10 +403,10 @@ def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: 
         "n_intersections".
     """
     sizes: dict = {}
-    flags = _check_gaussians(means, quats, scales, sizes)
+    _check_gaussians(means, quats, scales, sizes)
     dev = means.device
     _check("opacities", opacities, ("N",), sizes, device=dev)
-    flags += _check_cameras(viewmats, Ks, width, height, sizes, dev)
+    _check_cameras(viewmats, Ks, width, height, sizes, dev)
     _check_planes(eps2d, near_plane, far_plane, radius_clip)
     _check_tile_size(tile_size)
     if render_mode not in RENDER_MODES:
@@ -412,7 +428,7 @@ def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: 
         _check("backgrounds", backgrounds, ("C", "D"), sizes, device=dev)
     tw, th = -(-width // tile_size), -(-height // tile_size)
     _check_key_space(C, N, tw * th)
-    _raise_flags(flags)  # the one host read of the checks
+    _check_values(means, quats, scales, viewmats, Ks)  # the one host read of the checks
 
     proj = _project(means, quats, scales, viewmats, Ks, width, height, eps2d, near_plane, far_plane,
                     radius_clip, antialiased, opacities, True)

@@ -93,6 +93,10 @@ def test_launch_arguments_match_the_kernel_signatures(monkeypatch):
     kernels.intersect_tiles(meta["means2d"].detach(), meta["radii"], meta["depths"].detach(), 16, 1, 1)
     kernels.isect_offset_encode(meta["isect_ids"], 2, 1, 1)
     kernels.spherical_harmonics(2, torch.rand(3, 3, requires_grad=True), torch.rand(3, 9, 3)).sum().backward()
+    # the check kernel's flags decide (its stand-in above flags nothing): bit 1 is the means' message
+    monkeypatch.setattr(_gs_cuda, "check_inputs", lambda *a: 1)
+    with pytest.raises(ValueError, match="means must be finite"):
+        kernels.rasterization(means, quats, scales, opac, sh, views, Ks, 16, 16, sh_degree=3)
     everything = {n for p in _gs_cuda.default_programs() for n in p.name_expressions}
     assert seen == everything, f"never launched: {sorted(everything - seen)}"
 
@@ -393,6 +397,32 @@ def test_several_cameras_equal_one_call_per_camera_on_gpu(cuda):
         torch.testing.assert_close(one, img[i:i + 1], rtol=0, atol=1e-6)  # same arithmetic per camera
         torch.testing.assert_close(one_alpha, alpha[i:i + 1], rtol=0, atol=1e-6)
         assert torch.equal(one_meta["radii"], meta["radii"][i:i + 1])
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_bad_values_are_caught_by_the_check_kernel(cuda):
+    means, quats, scales, opac, sh = (t.to(cuda) for t in gaussians(300, seed=0))
+    views, Ks = (t.to(cuda) for t in camera(32, 32, 30.0, n=2))
+
+    def spoil(t, index, value):
+        t = t.clone()
+        t[index] = value
+        return t
+
+    cases = [(dict(means=spoil(means, (299, 2), float("nan"))), "means must be finite"),
+             (dict(scales=spoil(scales, (0, 1), float("inf"))), "scales must be finite"),
+             (dict(quats=spoil(quats, (7, 0), float("-inf"))), "quats must be finite"),
+             (dict(quats=spoil(quats, 150, 0.0)), "quats must be non-zero"),
+             (dict(quats=spoil(quats, 3, 1e-30)), "quats must be non-zero"),  # |q|^2 underflows
+             (dict(viewmats=spoil(views, (1, 0, 3), float("nan"))), "viewmats must be finite"),
+             (dict(Ks=spoil(Ks, (1, 1, 1), 0.0)), "Ks must be finite with fx, fy > 0")]
+    for kw, message in cases:
+        args = dict(means=means, quats=quats, scales=scales, opacities=opac, colors=sh, viewmats=views, Ks=Ks,
+                    width=32, height=32, sh_degree=3)
+        with pytest.raises(ValueError, match=message):
+            kernels.rasterization(**{**args, **kw})
+    kernels.rasterization(means, quats, scales, opac, sh, views, Ks, 32, 32, sh_degree=3)  # the clean inputs pass
 
 
 @pytest.mark.gpu

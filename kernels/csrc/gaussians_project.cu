@@ -81,6 +81,42 @@ __device__ bool gs_project(const float* __restrict__ means, const float* __restr
   return p.det > 0.f;
 }
 
+// The input checks of kernels/gaussians.py in one pass (one host read instead of a dozen small
+// reductions): flags |= 1 non-finite mean, 2 non-finite scale, 4 non-finite quaternion,
+// 8 quaternion of squared norm 0 or inf, 16 non-finite viewmat, 32 Ks non-finite or fx, fy <= 0.
+__global__ void check_inputs(long long N, const float* __restrict__ means,  // [N, 3]
+                             const float* __restrict__ quats,                // [N, 4]
+                             const float* __restrict__ scales,               // [N, 3]
+                             int C, const float* __restrict__ viewmats,      // [C, 4, 4]
+                             const float* __restrict__ Ks,                   // [C, 3, 3]
+                             int* __restrict__ flags) {                      // [1] zero
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  int bad = 0;
+  if (i < N) {
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      if (!isfinite(means[3 * i + k])) bad |= 1;
+      if (!isfinite(scales[3 * i + k])) bad |= 2;
+    }
+    float n2 = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float q = quats[4 * i + k];
+      if (!isfinite(q)) bad |= 4;
+      n2 = __fmaf_rn(q, q, n2);
+    }
+    if (!(n2 > 0.f && isfinite(n2))) bad |= 8;
+  }
+  if (i < C) {
+    for (int k = 0; k < 16; ++k)
+      if (!isfinite(viewmats[16 * i + k])) bad |= 16;
+    for (int k = 0; k < 9; ++k)
+      if (!isfinite(Ks[9 * i + k])) bad |= 32;
+    if (!(Ks[9 * i] > 0.f && Ks[9 * i + 4] > 0.f)) bad |= 32;
+  }
+  if (bad) atomicOr(flags, bad);
+}
+
 // Culled entries keep the zeros the caller allocated (radii 0).
 __global__ void projection_fwd(const float* __restrict__ means,      // [N, 3]
                                const float* __restrict__ quats,      // [N, 4]

@@ -15,6 +15,8 @@
 #include "gaussians.cuh"
 
 // Smallest sigma over pixel offsets d = centre - mean in [lx, hx] x [ly, hy] (conic a, b, c > 0).
+// tile_counts and tile_emit must take the same decisions, so everything here is explicitly
+// rounded (gs_sigma too): no FMA contraction that could differ between the two kernels.
 __device__ __forceinline__ float gs_min_sigma(float a, float b, float c, float lx, float hx, float ly, float hy) {
   if (lx <= 0.f && hx >= 0.f && ly <= 0.f && hy >= 0.f) return 0.f;
   float best = 3.4e38f;
@@ -23,11 +25,11 @@ __device__ __forceinline__ float gs_min_sigma(float a, float b, float c, float l
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     const float x = xs[e];
-    const float y = fminf(fmaxf(-b * x / c, ly), hy);
-    best = fminf(best, 0.5f * (a * x * x + c * y * y) + b * x * y);
+    const float y = fminf(fmaxf(__fdiv_rn(-__fmul_rn(b, x), c), ly), hy);
+    best = fminf(best, gs_sigma(a, b, c, x, y));
     const float y2 = ys[e];
-    const float x2 = fminf(fmaxf(-b * y2 / a, lx), hx);
-    best = fminf(best, 0.5f * (a * x2 * x2 + c * y2 * y2) + b * x2 * y2);
+    const float x2 = fminf(fmaxf(__fdiv_rn(-__fmul_rn(b, y2), a), lx), hx);
+    best = fminf(best, gs_sigma(a, b, c, x2, y2));
   }
   return best;
 }
@@ -58,8 +60,10 @@ __device__ __forceinline__ int gs_for_tiles(long long i, const float* __restrict
     for (int tx = x0; tx < x1; ++tx) {
       if (exact) {
         // centres of the tile's pixels inside the image, relative to the mean
-        const float lx = tx * ts + 0.5f - mx, hx = fminf((float)((tx + 1) * ts), (float)width) - 0.5f - mx;
-        const float ly = ty * ts + 0.5f - my, hy = fminf((float)((ty + 1) * ts), (float)height) - 0.5f - my;
+        const float lx = __fsub_rn((float)(tx * ts) + 0.5f, mx);
+        const float hx = __fsub_rn(fminf((float)((tx + 1) * ts), (float)width) - 0.5f, mx);
+        const float ly = __fsub_rn((float)(ty * ts) + 0.5f, my);
+        const float hy = __fsub_rn(fminf((float)((ty + 1) * ts), (float)height) - 0.5f, my);
         if (!(gs_min_sigma(a, b, c, lx, hx, ly, hy) <= tau)) continue;
       }
       f(ty * tw + tx, n);
@@ -85,7 +89,7 @@ __global__ void tile_counts(long long CN, const float* __restrict__ means2d,  //
 
 // In depth order: rank r's Gaussian g = order[r] writes its tiles at ends[r] - counts[g] ...:
 // key = (camera << tile_bits | tile) ^ 0x80000000 (so that a signed sort orders the unsigned
-// value), value = g.
+// value), value = g. Never more than counts[g] of them (the same test as tile_counts decides).
 __global__ void tile_emit(long long CN, int N, const float* __restrict__ means2d, const int* __restrict__ radii,
                           int per_axis, const float* __restrict__ conics, const float* __restrict__ opacities,
                           int ts, int tw, int th, int width, int height, int tile_bits,
@@ -102,6 +106,7 @@ __global__ void tile_emit(long long CN, int N, const float* __restrict__ means2d
   const long long start = ends[r] - n;
   const unsigned cam = (unsigned)(g / N) << tile_bits;
   gs_for_tiles(g, means2d, radii, per_axis, conics, opacities, ts, tw, th, width, height, [&](int tile, int k) {
+    if (k >= n) return;
     keys[start + k] = (int)((cam | (unsigned)tile) ^ 0x80000000u);
     values[start + k] = (int)g;
   });
