@@ -60,6 +60,6 @@ __all__ = [
 
 def default_programs() -> list[KernelProgram]:
     """Every kernel program the ops compile with their default settings (benchmark and CI use it)."""
-    from . import hashgrid, render
+    from . import _gs_cuda, hashgrid, render
 
-    return [*hashgrid.default_programs(), *render.default_programs()]
+    return [*hashgrid.default_programs(), *render.default_programs(), *_gs_cuda.default_programs()]

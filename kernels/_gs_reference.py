@@ -186,6 +186,7 @@ def tile_ranges(means2d: torch.Tensor, radii: torch.Tensor, tile_size: int, tile
 def intersect_tiles_reference(means2d, radii, depths, tile_size: int, tile_width: int, tile_height: int):
     """Twin of ``tile_counts`` + ``tile_keys`` + the sort; see :func:`kernels.intersect_tiles`."""
     C, N = depths.shape
+    means2d, depths = means2d.detach(), depths.detach()
     x0, x1, y0, y1 = tile_ranges(means2d, radii, tile_size, tile_width, tile_height)
     w = x1 - x0
     counts = (w * (y1 - y0)).reshape(-1)

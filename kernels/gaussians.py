@@ -79,6 +79,35 @@ def _check_tile_size(tile_size) -> None:
         raise ValueError(f"tile_size must be one of {TILE_SIZES}, got {tile_size!r}")
 
 
+# The value checks of the Gaussians and cameras: a bit each (the CUDA path computes them in one
+# kernel, csrc/gaussians_project.cu check_inputs), the first failing one is raised.
+VALUE_CHECKS = (
+    (1, "means must be finite (found NaN or inf)"),
+    (2, "scales must be finite (found NaN or inf)"),
+    (4, "quats must be finite (found NaN or inf)"),
+    (8, "quats must be non-zero: found a quaternion of norm 0 (or one whose squared norm under- or "
+        "overflows float32)"),
+    (16, "viewmats must be finite"),
+    (32, "Ks must be finite with fx, fy > 0"),
+)
+
+
+def _check_values(means, quats, scales, viewmats, Ks) -> None:
+    """Raise the first failing VALUE_CHECKS entry (one host read)."""
+    if _use_cuda(means.device):
+        bits = _cuda().check_inputs(means, quats, scales, viewmats, Ks)
+    else:
+        norm2 = (quats * quats).sum(-1)
+        failed = torch.stack([~torch.isfinite(means).all(), ~torch.isfinite(scales).all(),
+                              ~torch.isfinite(quats).all(), ~((norm2 > 0) & torch.isfinite(norm2)).all(),
+                              ~torch.isfinite(viewmats).all(),
+                              ~(torch.isfinite(Ks).all() & (Ks[:, 0, 0] > 0).all() & (Ks[:, 1, 1] > 0).all())])
+        bits = sum(bit for (bit, _), bad in zip(VALUE_CHECKS, failed.tolist()) if bad)
+    for bit, message in VALUE_CHECKS:
+        if bits & bit:
+            raise ValueError(message)
+
+
 def _raise_flags(flags: list[tuple[str, torch.Tensor]]) -> None:
     """One host read for several on-device conditions; raise for the first that holds."""
     if not flags:
@@ -94,14 +123,6 @@ def _check_gaussians(means, quats, scales, sizes: dict) -> None:
     dev = means.device
     _check("quats", quats, ("N", 4), sizes, device=dev)
     _check("scales", scales, ("N", 3), sizes, device=dev)
-    norm2 = (quats * quats).sum(-1)
-    _raise_flags([
-        ("means must be finite (found NaN or inf)", ~torch.isfinite(means).all()),
-        ("scales must be finite (found NaN or inf)", ~torch.isfinite(scales).all()),
-        ("quats must be finite (found NaN or inf)", ~torch.isfinite(quats).all()),
-        ("quats must be non-zero: found a quaternion of norm 0 (or one whose squared norm "
-         "under- or overflows float32)", ~((norm2 > 0) & torch.isfinite(norm2)).all()),
-    ])
 
 
 def _check_cameras(viewmats, Ks, width, height, sizes: dict, device) -> None:
@@ -110,9 +131,6 @@ def _check_cameras(viewmats, Ks, width, height, sizes: dict, device) -> None:
     _check_image(width, height)
     if sizes["C"] < 1:
         raise ValueError("viewmats must hold at least one camera, got C=0")
-    _raise_flags([("viewmats must be finite", ~torch.isfinite(viewmats).all()),
-                  ("Ks must be finite with fx, fy > 0",
-                   ~(torch.isfinite(Ks).all() & (Ks[:, 0, 0] > 0).all() & (Ks[:, 1, 1] > 0).all()))])
 
 
 def _check_planes(eps2d, near, far, radius_clip) -> None:
@@ -124,7 +142,7 @@ def _check_planes(eps2d, near, far, radius_clip) -> None:
 
 
 def _use_cuda(device: torch.device) -> bool:
-    return False  # the CUDA kernels come next; until then the twins run on every device
+    return device.type == "cuda" and _driver.available()
 
 
 def _cuda():
@@ -169,6 +187,7 @@ def project_gaussians(means, quats, scales, viewmats, Ks, width: int, height: in
     _check_planes(eps2d, near, far, radius_clip)
     if opacities is not None:
         _check("opacities", opacities, ("N",), sizes, device=means.device)
+    _check_values(means, quats, scales, viewmats, Ks)
     return _project(means, quats, scales, viewmats, Ks, width, height, eps2d, near, far, radius_clip,
                     antialiased, opacities, radii_per_axis)
 
@@ -215,14 +234,14 @@ def spherical_harmonics(degree: int, dirs, coeffs):
 
 
 def _sh(degree, dirs, coeffs):
+    """coeffs' batch dims are those of dirs or a suffix of them (broadcast over the leading ones)."""
     if _use_cuda(dirs.device):
         return _cuda().spherical_harmonics(degree, dirs, coeffs)
     return spherical_harmonics_reference(degree, dirs, coeffs)
 
 
-def _check_budget(counts: torch.Tensor) -> None:
+def _check_budget(total: int) -> None:
     """The intersection count fits the int32 index of flatten_ids and isect_offsets."""
-    total = int(counts.sum(dtype=torch.int64))
     if total > MAX_INTERSECTIONS:
         raise ValueError(f"{total} tile intersections exceed the budget of MAX_INTERSECTIONS = "
                          f"{MAX_INTERSECTIONS} (2^31 - 1, the int32 index); use fewer Gaussians, smaller "
@@ -273,7 +292,7 @@ def _intersect(means2d, radii, depths, tile_size, tile_width, tile_height):
         return _cuda().intersect_tiles(means2d, radii, depths, tile_size, tile_width, tile_height,
                                        _check_budget)
     x0, x1, y0, y1 = tile_ranges(means2d, radii, tile_size, tile_width, tile_height)
-    _check_budget((x1 - x0) * (y1 - y0))
+    _check_budget(int(((x1 - x0) * (y1 - y0)).sum()))
     return intersect_tiles_reference(means2d, radii, depths, tile_size, tile_width, tile_height)
 
 
@@ -409,6 +428,7 @@ def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: 
         _check("backgrounds", backgrounds, ("C", "D"), sizes, device=dev)
     tw, th = -(-width // tile_size), -(-height // tile_size)
     _check_key_space(C, N, tw * th)
+    _check_values(means, quats, scales, viewmats, Ks)  # the one host read of the checks
 
     proj = _project(means, quats, scales, viewmats, Ks, width, height, eps2d, near_plane, far_plane,
                     radius_clip, antialiased, opacities, True)
@@ -419,10 +439,9 @@ def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: 
     if sh_degree is None:
         rgb = colors[None].expand(C, N, sizes["D"])
     else:
-        campos = torch.linalg.inv(viewmats)[:, :3, 3]  # [C, 3] camera centres
+        campos = torch.linalg.inv_ex(viewmats).inverse[:, :3, 3]  # [C, 3] camera centres (inv_ex: no sync)
         dirs = means[None] - campos[:, None]
-        rgb = torch.clamp_min(_sh(sh_degree, dirs.contiguous(), colors[None].expand(C, *colors.shape)) + 0.5,
-                              0.0)
+        rgb = torch.clamp_min(_sh(sh_degree, dirs.contiguous(), colors) + 0.5, 0.0)  # [N, K, 3] broadcast
     bg = backgrounds
     if render_mode in ("RGB+D", "RGB+ED"):
         rgb = torch.cat([rgb, proj.depths[..., None]], -1)
@@ -432,9 +451,14 @@ def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: 
         rgb = proj.depths[..., None]
         bg = None if bg is None else bg.new_zeros(C, 1)
     rgb = rgb.contiguous()
-    tiles_per_gauss, isect_ids, flatten_ids = _intersect(proj.means2d, proj.radii, proj.depths, tile_size,
-                                                         tw, th)
-    offsets = _offsets(isect_ids, C, tw, th)
+    if _use_cuda(dev):  # binning that also drops the tiles of a box the Gaussian's alpha cannot reach
+        tiles_per_gauss, isect_ids, flatten_ids, offsets = _cuda().bin_tiles(
+            proj.means2d, proj.radii, proj.depths, tile_size, tw, th, _check_budget, width, height,
+            proj.conics.detach(), opac.detach())
+    else:
+        tiles_per_gauss, isect_ids, flatten_ids = _intersect(proj.means2d, proj.radii, proj.depths, tile_size,
+                                                             tw, th)
+        offsets = _offsets(isect_ids, C, tw, th)
     means2d = proj.means2d
     if means2d.requires_grad:
         means2d.retain_grad()

@@ -1,0 +1,309 @@
+"""CUDA side of the 3DGS rasterizer ops: programs, launches and autograd Functions.
+
+:mod:`kernels.gaussians` checks the inputs and calls these on CUDA tensors. Sources:
+``csrc/gaussians_project.cu`` (projection, spherical harmonics), ``csrc/gaussians_tiles.cu``
+(tile binning), ``csrc/gaussians_raster.cu`` (blending); each op's twin is in
+:mod:`kernels._gs_reference`, whose constants the kernels get as defines.
+
+Each autograd Function saves only what its backward reads: the projection its inputs and radii
+(the backward recomputes the rest), the blending its inputs, the lists, and per pixel the final
+transmittance and the index of the last Gaussian blended.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ._driver import KernelProgram, f32, i32, i64, ptr
+from ._gs_reference import ALPHA_MAX, ALPHA_MIN, EXTEND, T_MIN, Projection, key_bits
+
+BLOCK = 256  # threads per block of the per-Gaussian and per-intersection kernels
+MAX_CHANNELS = 4  # rasterize kernels exist for 1..4 channels; more go through in chunks of 4
+DEFINES = {"RF_ALPHA_MIN": f"({ALPHA_MIN!r}f)", "RF_ALPHA_MAX": f"({ALPHA_MAX!r}f)",
+           "RF_T_MIN": f"({T_MIN!r}f)", "RF_EXTEND": f"({EXTEND!r}f)"}
+_PROJECT = ["check_inputs", "projection_fwd", "projection_bwd", "sh_fwd", "sh_bwd"]
+_TILES = ["tile_counts", "tile_emit", "tile_finish", "tile_offsets"]
+_RASTER = [f"rasterize_{p}<{d}>" for d in range(1, MAX_CHANNELS + 1) for p in ("fwd", "bwd")]
+_programs: dict[str, KernelProgram] = {}
+
+
+def program(name: str) -> KernelProgram:
+    """"project", "tiles" or "raster": the compiled unit (lazily built, cached per process)."""
+    prog = _programs.get(name)
+    if prog is None:
+        source, names = {"project": ("gaussians_project.cu", _PROJECT), "tiles": ("gaussians_tiles.cu", _TILES),
+                         "raster": ("gaussians_raster.cu", _RASTER)}[name]
+        prog = _programs.setdefault(name, KernelProgram(source, names, defines=DEFINES))
+    return prog
+
+
+def default_programs() -> list[KernelProgram]:
+    return [program("project"), program("tiles"), program("raster")]
+
+
+def _p(t: torch.Tensor | None):
+    return (0 if t is None else t.data_ptr(), ptr)
+
+
+def _blocks(n: int) -> tuple[int]:
+    return (-(-n // BLOCK),)
+
+
+def _grad(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if g is None else g.to(torch.float32).contiguous()
+
+
+# ---------------------------------------------------------------------------- projection
+
+
+def check_inputs(means, quats, scales, viewmats, Ks) -> int:
+    """The bits of kernels.gaussians.VALUE_CHECKS that fail (one host read)."""
+    N, C = means.shape[0], viewmats.shape[0]
+    flags = torch.zeros(1, dtype=torch.int32, device=means.device)
+    program("project").launch("check_inputs", _blocks(max(N, C)), (BLOCK,),
+                              [(N, i64), _p(means), _p(quats), _p(scales), (C, i32), _p(viewmats), _p(Ks), _p(flags)],
+                              device=means.device)
+    return int(flags)
+
+
+
+class _Project(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, means, quats, scales, viewmats, Ks, opacities, cfg):
+        width, height, eps2d, near, far, radius_clip, antialiased = cfg
+        C, N = viewmats.shape[0], means.shape[0]
+        dev = means.device
+        radii = torch.zeros(C, N, 2, dtype=torch.int32, device=dev)
+        means2d = torch.zeros(C, N, 2, device=dev)
+        depths = torch.zeros(C, N, device=dev)
+        conics = torch.zeros(C, N, 3, device=dev)
+        comps = torch.zeros(C, N, device=dev)
+        if C * N:
+            program("project").launch(
+                "projection_fwd", _blocks(C * N), (BLOCK,),
+                [_p(means), _p(quats), _p(scales), _p(opacities), _p(viewmats), _p(Ks), (C, i32), (N, i32),
+                 (width, i32), (height, i32), (eps2d, f32), (near, f32), (far, f32), (radius_clip, f32),
+                 (int(antialiased), i32), _p(radii), _p(means2d), _p(depths), _p(conics), _p(comps)],
+                device=dev)
+        ctx.mark_non_differentiable(radii)
+        ctx.save_for_backward(means, quats, scales, viewmats, Ks, radii)
+        ctx.cfg = cfg
+        return radii, means2d, depths, conics, comps
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, _g_radii, g_means2d, g_depths, g_conics, g_comps):
+        means, quats, scales, viewmats, Ks, radii = ctx.saved_tensors
+        width, height, eps2d, near, far, _, antialiased = ctx.cfg
+        if not any(ctx.needs_input_grad[:3]):
+            return None, None, None, None, None, None, None
+        C, N = viewmats.shape[0], means.shape[0]
+        v_means, v_quats, v_scales = torch.zeros_like(means), torch.zeros_like(quats), torch.zeros_like(scales)
+        g_means2d = _grad(g_means2d, radii.float())
+        g_depths = _grad(g_depths, radii[..., 0].float())
+        g_conics = _grad(g_conics, torch.empty(C, N, 3, device=means.device))
+        g_comps = None if g_comps is None or not antialiased else g_comps.to(torch.float32).contiguous()
+        if C * N:
+            program("project").launch(
+                "projection_bwd", _blocks(C * N), (BLOCK,),
+                [_p(means), _p(quats), _p(scales), _p(viewmats), _p(Ks), (C, i32), (N, i32), (width, i32),
+                 (height, i32), (eps2d, f32), (near, f32), (far, f32), _p(radii), _p(g_means2d), _p(g_depths),
+                 _p(g_conics), _p(g_comps), _p(v_means), _p(v_quats), _p(v_scales)],
+                device=means.device)
+        return v_means, v_quats, v_scales, None, None, None, None
+
+
+def project(means, quats, scales, viewmats, Ks, width, height, eps2d, near, far, radius_clip, antialiased,
+            opacities, radii_per_axis) -> Projection:
+    cfg = (width, height, float(eps2d), float(near), float(far), float(radius_clip), bool(antialiased))
+    radii, means2d, depths, conics, comps = _Project.apply(means, quats, scales, viewmats, Ks, opacities, cfg)
+    if not radii_per_axis:
+        radii = radii.amax(-1)
+    return Projection(radii, means2d, depths, conics, comps if antialiased else None)
+
+
+# ---------------------------------------------------------------------------- spherical harmonics
+
+
+class _SH(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dirs, coeffs, degree):
+        items, sets = dirs.numel() // 3, coeffs.numel() // (coeffs.shape[-2] * 3)
+        out = torch.empty(*dirs.shape[:-1], 3, device=dirs.device)
+        if items:
+            program("project").launch(
+                "sh_fwd", _blocks(items), (BLOCK,),
+                [(degree, i32), (items, i64), (sets, i64), (coeffs.shape[-2], i32), _p(dirs), _p(coeffs), _p(out)],
+                device=dirs.device)
+        ctx.save_for_backward(dirs, coeffs)
+        ctx.degree = degree
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_colors):
+        dirs, coeffs = ctx.saved_tensors
+        items, sets = dirs.numel() // 3, coeffs.numel() // (coeffs.shape[-2] * 3)
+        v_coeffs = torch.zeros_like(coeffs)
+        v_dirs = torch.zeros_like(dirs) if ctx.needs_input_grad[0] else None
+        g_colors = g_colors.to(torch.float32).contiguous()
+        if items:
+            program("project").launch(
+                "sh_bwd", _blocks(items), (BLOCK,),
+                [(ctx.degree, i32), (items, i64), (sets, i64), (coeffs.shape[-2], i32), _p(dirs), _p(coeffs),
+                 _p(g_colors), _p(v_coeffs), _p(v_dirs)],
+                device=dirs.device)
+        return v_dirs, v_coeffs if ctx.needs_input_grad[1] else None, None
+
+
+def spherical_harmonics(degree, dirs, coeffs):
+    """coeffs [..., K, 3] with the batch dims of dirs [..., 3], or a suffix of them (one set of
+    coefficients broadcast over the leading dims, e.g. [C, N, 3] directions and [N, K, 3])."""
+    return _SH.apply(dirs, coeffs.contiguous(), int(degree))
+
+
+# ---------------------------------------------------------------------------- tile binning
+
+
+def bin_tiles(means2d, radii, depths, tile_size, tile_width, tile_height, check_budget, width=None, height=None,
+              conics=None, opacities=None):
+    """(tiles_per_gauss [C, N], isect_ids [M], flatten_ids [M], isect_offsets [C, th, tw]).
+
+    With conics and opacities (and the image size) tiles that the Gaussian's alpha cannot reach
+    at 1/255 are dropped (csrc/gaussians_tiles.cu); without, every tile of the radii's box counts."""
+    C, N = depths.shape
+    CN, dev = C * N, depths.device
+    n_tiles = tile_width * tile_height
+    _, tile_bits = key_bits(C, n_tiles)
+    width = tile_width * tile_size if width is None else width
+    height = tile_height * tile_size if height is None else height
+    prog = program("tiles")
+    counts = torch.zeros(CN, dtype=torch.int32, device=dev)
+    box = [_p(means2d), _p(radii), (int(radii.ndim == 3), i32), _p(conics), _p(opacities), (tile_size, i32),
+           (tile_width, i32), (tile_height, i32), (width, i32), (height, i32)]
+    if CN:
+        prog.launch("tile_counts", _blocks(CN), (BLOCK,), [(CN, i64), *box, _p(counts)], device=dev)
+    order = torch.sort(depths.reshape(-1), stable=True).indices  # depth first, ties in Gaussian order
+    ends = torch.cumsum(counts[order], 0)
+    M = int(ends[-1]) if CN else 0  # host sync: how many intersections to allocate
+    check_budget(M)
+    flatten_ids = torch.empty(M, dtype=torch.int32, device=dev)
+    isect_ids = torch.empty(M, dtype=torch.int64, device=dev)
+    offsets = (torch.empty if M else torch.zeros)(C * n_tiles, dtype=torch.int32, device=dev)
+    if M:
+        keys = torch.empty(M, dtype=torch.int32, device=dev)
+        values = torch.empty(M, dtype=torch.int32, device=dev)
+        prog.launch("tile_emit", _blocks(CN), (BLOCK,),
+                    [(CN, i64), (N, i32), *box, (tile_bits, i32), _p(order), _p(ends), _p(counts), _p(keys),
+                     _p(values)], device=dev)
+        sorted_keys, perm = torch.sort(keys, stable=True)
+        del keys
+        prog.launch("tile_finish", _blocks(M), (BLOCK,),
+                    [(M, i64), _p(sorted_keys), _p(perm), _p(values), _p(depths), (tile_bits, i32), (n_tiles, i32),
+                     (C * n_tiles, i64), _p(flatten_ids), _p(isect_ids), _p(offsets)], device=dev)
+    return (counts.view(C, N), isect_ids, flatten_ids, offsets.view(C, tile_height, tile_width))
+
+
+def intersect_tiles(means2d, radii, depths, tile_size, tile_width, tile_height, check_budget):
+    counts, isect_ids, flatten_ids, _ = bin_tiles(means2d, radii, depths, tile_size, tile_width, tile_height,
+                                                  check_budget)
+    return counts, isect_ids, flatten_ids
+
+
+def isect_offset_encode(isect_ids, n_cameras, tile_width, tile_height):
+    M, n_tiles = isect_ids.numel(), tile_width * tile_height
+    _, tile_bits = key_bits(n_cameras, n_tiles)
+    offsets = (torch.empty if M else torch.zeros)(n_cameras * n_tiles, dtype=torch.int32, device=isect_ids.device)
+    if M:
+        program("tiles").launch("tile_offsets", _blocks(M), (BLOCK,),
+                                [(M, i64), _p(isect_ids), (tile_bits, i32), (n_tiles, i32),
+                                 (n_cameras * n_tiles, i64), _p(offsets)], device=isect_ids.device)
+    return offsets.view(n_cameras, tile_height, tile_width)
+
+
+# ---------------------------------------------------------------------------- blending
+
+
+def _smem(tile_size: int, D: int, backward: bool) -> int:
+    """Dynamic shared memory of rasterize_fwd / rasterize_bwd (csrc/gaussians_raster.cu)."""
+    per_thread = 16 + 8 + 4 * D + (4 * 16 + 4 if backward else 0)
+    return tile_size * tile_size * per_thread
+
+
+def _raster_launch(name: str, tile_size: int, D: int, backward: bool, grid, args, device) -> None:
+    prog = program("raster")
+    nbytes = _smem(tile_size, D, backward)
+    if nbytes > 48 * 1024:
+        prog.set_max_dynamic_shared(name, nbytes, device)
+    prog.launch(name, grid, (tile_size, tile_size), args, device=device, shared_mem=nbytes)
+
+
+class _Rasterize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, cfg,
+                absgrad_target):
+        width, height, tile_size = cfg
+        C, D = colors.shape[0], colors.shape[-1]
+        th, tw = isect_offsets.shape[1:]
+        dev = means2d.device
+        out = torch.empty(C, height, width, D, device=dev)
+        alphas = torch.empty(C, height, width, device=dev)
+        T = torch.empty(C, height, width, device=dev)
+        last_ids = torch.empty(C, height, width, dtype=torch.int32, device=dev)
+        _raster_launch(f"rasterize_fwd<{D}>", tile_size, D, False, (tw, th, C),
+                       [_p(means2d), _p(conics), _p(colors), _p(opacities), _p(backgrounds), _p(isect_offsets),
+                        _p(flatten_ids), (flatten_ids.numel(), i32), (width, i32), (height, i32), _p(out),
+                        _p(alphas), _p(T), _p(last_ids)], dev)
+        ctx.save_for_backward(means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, T,
+                              last_ids)
+        ctx.cfg, ctx.absgrad_target = cfg, absgrad_target
+        return out, alphas.view(C, height, width, 1)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_out, g_alphas):
+        means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, T, last_ids = ctx.saved_tensors
+        width, height, tile_size = ctx.cfg
+        C, D = colors.shape[0], colors.shape[-1]
+        th, tw = isect_offsets.shape[1:]
+        dev = means2d.device
+        g_out = _grad(g_out, torch.empty(C, height, width, D, device=dev))
+        g_alphas = None if g_alphas is None else g_alphas.to(torch.float32).contiguous()
+        v_means2d, v_conics = torch.zeros_like(means2d), torch.zeros_like(conics)
+        v_colors, v_opac = torch.zeros_like(colors), torch.zeros_like(opacities)
+        v_abs = torch.zeros_like(means2d) if ctx.absgrad_target is not None else None
+        _raster_launch(f"rasterize_bwd<{D}>", tile_size, D, True, (tw, th, C),
+                       [_p(means2d), _p(conics), _p(colors), _p(opacities), _p(backgrounds), _p(isect_offsets),
+                        _p(flatten_ids), (flatten_ids.numel(), i32), (width, i32), (height, i32), _p(T),
+                        _p(last_ids), _p(g_out), _p(g_alphas), _p(v_means2d), _p(v_abs), _p(v_conics),
+                        _p(v_colors), _p(v_opac)], dev)
+        v_bg = None
+        if backgrounds is not None and ctx.needs_input_grad[4]:
+            v_bg = (g_out * T[..., None]).sum((1, 2))
+        if v_abs is not None:
+            ctx.absgrad_target.absgrad = v_abs
+        return v_means2d, v_conics, v_colors, v_opac, v_bg, None, None, None, None
+
+
+def rasterize_to_pixels(means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids,
+                        backgrounds, absgrad):
+    target = means2d if absgrad else None
+    if means2d.data_ptr() % 8:  # float2 loads need an 8-byte aligned base (a view at an odd offset)
+        means2d = means2d.clone()
+    cfg = (width, height, tile_size)
+    D = colors.shape[-1]
+    if D <= MAX_CHANNELS:
+        return _Rasterize.apply(means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, cfg,
+                                target)
+    if absgrad:
+        raise ValueError(f"absgrad needs at most {MAX_CHANNELS} colour channels on CUDA (|dL/dmeans2d| per pixel "
+                         f"is not a sum over channel chunks), got {D}")
+    outs, alphas = [], None
+    for k in range(0, D, MAX_CHANNELS):
+        bg = None if backgrounds is None else backgrounds[:, k:k + MAX_CHANNELS].contiguous()
+        out, alpha = _Rasterize.apply(means2d, conics, colors[..., k:k + MAX_CHANNELS].contiguous(), opacities, bg,
+                                      isect_offsets, flatten_ids, cfg, None)
+        outs.append(out)
+        alphas = alpha if alphas is None else alphas  # the first chunk's alpha carries its gradient
+    return torch.cat(outs, -1), alphas

@@ -1,0 +1,157 @@
+// Tile binning of projected Gaussians (Python side: kernels/_gs_cuda.py; twins:
+// intersect_tiles_reference, isect_offset_encode_reference in kernels/_gs_reference.py).
+//
+// The keys are sorted depth first: the host sorts the C*N depths once (stable), tile_emit writes
+// each Gaussian's tiles in that order, and a stable sort of the 32-bit (camera, tile) part alone
+// then gives the order of the full 64-bit keys camera | tile | depth bits (ties in Gaussian order)
+// at the cost of a sort of N keys plus a sort of M 32-bit keys, instead of M 64-bit keys.
+//
+// With conics and opacities (the rasterizer's own binning) a tile inside a Gaussian's box is kept
+// only when the Gaussian's alpha can reach 1/255 at one of the tile's pixel centres: the minimum
+// of the conic's quadratic over the tile's rectangle of centres against ln(255 opacity). Pixels
+// of dropped tiles would all have skipped the Gaussian, so the image is the same, with fewer
+// intersections to sort and blend.
+
+#include "gaussians.cuh"
+
+// Smallest sigma over pixel offsets d = centre - mean in [lx, hx] x [ly, hy] (conic a, b, c > 0).
+// tile_counts and tile_emit must take the same decisions, so everything here is explicitly
+// rounded (gs_sigma too): no FMA contraction that could differ between the two kernels.
+__device__ __forceinline__ float gs_min_sigma(float a, float b, float c, float lx, float hx, float ly, float hy) {
+  if (lx <= 0.f && hx >= 0.f && ly <= 0.f && hy >= 0.f) return 0.f;
+  float best = 3.4e38f;
+  // edges x = const: minimise over y, at y = -b x / c clamped; edges y = const likewise
+  const float xs[2] = {lx, hx}, ys[2] = {ly, hy};
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const float x = xs[e];
+    const float y = fminf(fmaxf(__fdiv_rn(-__fmul_rn(b, x), c), ly), hy);
+    best = fminf(best, gs_sigma(a, b, c, x, y));
+    const float y2 = ys[e];
+    const float x2 = fminf(fmaxf(__fdiv_rn(-__fmul_rn(b, y2), a), lx), hx);
+    best = fminf(best, gs_sigma(a, b, c, x2, y2));
+  }
+  return best;
+}
+
+// The tiles of one Gaussian: its box, and (exact culling) the per-tile test. Calls f(tile id).
+template <typename F>
+__device__ __forceinline__ int gs_for_tiles(long long i, const float* __restrict__ means2d, const int* __restrict__ radii,
+                                            int per_axis, const float* __restrict__ conics,
+                                            const float* __restrict__ opacities, int ts, int tw, int th,
+                                            int width, int height, F f) {
+  const int rx = per_axis ? radii[2 * i] : radii[i];
+  const int ry = per_axis ? radii[2 * i + 1] : radii[i];
+  if (rx <= 0 || ry <= 0) return 0;
+  const float mx = means2d[2 * i], my = means2d[2 * i + 1];
+  int x0, x1, y0, y1;
+  gs_tile_box(mx, my, (float)rx, (float)ry, ts, tw, th, x0, x1, y0, y1);
+  bool exact = conics != nullptr;
+  float a = 0.f, b = 0.f, c = 0.f, tau = 0.f;
+  if (exact) {
+    a = conics[3 * i]; b = conics[3 * i + 1]; c = conics[3 * i + 2];
+    const float o = opacities[i];
+    // sigma <= ln(255 o) is where alpha can reach 1/255; 0.01 of slack for the blender's rounding
+    tau = logf(fmaxf(o, 1e-30f) / RF_ALPHA_MIN) + 0.01f;
+    exact = a > 0.f && c > 0.f && a * c - b * b > 0.f;  // else keep the whole box
+  }
+  int n = 0;
+  for (int ty = y0; ty < y1; ++ty) {
+    for (int tx = x0; tx < x1; ++tx) {
+      if (exact) {
+        // centres of the tile's pixels inside the image, relative to the mean
+        const float lx = __fsub_rn((float)(tx * ts) + 0.5f, mx);
+        const float hx = __fsub_rn(fminf((float)((tx + 1) * ts), (float)width) - 0.5f, mx);
+        const float ly = __fsub_rn((float)(ty * ts) + 0.5f, my);
+        const float hy = __fsub_rn(fminf((float)((ty + 1) * ts), (float)height) - 0.5f, my);
+        if (!(gs_min_sigma(a, b, c, lx, hx, ly, hy) <= tau)) continue;
+      }
+      f(ty * tw + tx, n);
+      ++n;
+    }
+  }
+  return n;
+}
+
+// counts[i] = tiles of (camera, Gaussian) i.
+__global__ void tile_counts(long long CN, const float* __restrict__ means2d,  // [C*N, 2]
+                            const int* __restrict__ radii,                      // [C*N] or [C*N, 2]
+                            int per_axis,
+                            const float* __restrict__ conics,                   // [C*N, 3] or nullptr
+                            const float* __restrict__ opacities,                // [C*N] or nullptr
+                            int ts, int tw, int th, int width, int height,
+                            int* __restrict__ counts) {                          // [C*N]
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= CN) return;
+  counts[i] = gs_for_tiles(i, means2d, radii, per_axis, conics, opacities, ts, tw, th, width, height,
+                           [](int, int) {});
+}
+
+// In depth order: rank r's Gaussian g = order[r] writes its tiles at ends[r] - counts[g] ...:
+// key = (camera << tile_bits | tile) ^ 0x80000000 (so that a signed sort orders the unsigned
+// value), value = g. Never more than counts[g] of them (the same test as tile_counts decides).
+__global__ void tile_emit(long long CN, int N, const float* __restrict__ means2d, const int* __restrict__ radii,
+                          int per_axis, const float* __restrict__ conics, const float* __restrict__ opacities,
+                          int ts, int tw, int th, int width, int height, int tile_bits,
+                          const long long* __restrict__ order,   // [C*N] depth-sorted indices
+                          const long long* __restrict__ ends,    // [C*N] inclusive scan of counts[order]
+                          const int* __restrict__ counts,        // [C*N]
+                          int* __restrict__ keys,                // [M]
+                          int* __restrict__ values) {            // [M]
+  const long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= CN) return;
+  const long long g = order[r];
+  const int n = counts[g];
+  if (n == 0) return;
+  const long long start = ends[r] - n;
+  const unsigned cam = (unsigned)(g / N) << tile_bits;
+  gs_for_tiles(g, means2d, radii, per_axis, conics, opacities, ts, tw, th, width, height, [&](int tile, int k) {
+    if (k >= n) return;
+    keys[start + k] = (int)((cam | (unsigned)tile) ^ 0x80000000u);
+    values[start + k] = (int)g;
+  });
+}
+
+// offsets[t] for the tiles t in (previous entry's tile, this entry's tile]; the last entry fills
+// the rest with M. offsets index = camera * n_tiles + tile.
+__device__ __forceinline__ void gs_fill_offsets(long long j, long long M, long long prev, long long cur,
+                                                long long total, int* __restrict__ offsets) {
+  for (long long t = prev + 1; t <= cur; ++t) offsets[t] = (int)j;
+  if (j == M - 1)
+    for (long long t = cur + 1; t < total; ++t) offsets[t] = (int)M;
+}
+
+__device__ __forceinline__ long long gs_tile_index(unsigned hi, int tile_bits, int n_tiles) {
+  return (long long)(hi >> tile_bits) * n_tiles + (hi & ((1u << tile_bits) - 1u));
+}
+
+// After the stable sort of the keys: flatten_ids, the 64-bit keys and the tile offsets.
+__global__ void tile_finish(long long M, const int* __restrict__ sorted_keys,  // [M]
+                            const long long* __restrict__ perm,                // [M] sort permutation
+                            const int* __restrict__ values,                    // [M] (unsorted)
+                            const float* __restrict__ depths,                  // [C*N]
+                            int tile_bits, int n_tiles, long long total_tiles,
+                            int* __restrict__ flatten_ids,                     // [M]
+                            long long* __restrict__ isect_ids,                 // [M]
+                            int* __restrict__ offsets) {                       // [C * n_tiles]
+  const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= M) return;
+  const unsigned hi = (unsigned)sorted_keys[j] ^ 0x80000000u;
+  const int g = values[perm[j]];
+  flatten_ids[j] = g;
+  isect_ids[j] = (long long)(((unsigned long long)hi << 32) | (unsigned long long)__float_as_uint(depths[g]));
+  const long long cur = gs_tile_index(hi, tile_bits, n_tiles);
+  const long long prev = j == 0 ? -1 : gs_tile_index((unsigned)sorted_keys[j - 1] ^ 0x80000000u, tile_bits, n_tiles);
+  gs_fill_offsets(j, M, prev, cur, total_tiles, offsets);
+}
+
+// isect_offset_encode: tile offsets of sorted 64-bit keys.
+__global__ void tile_offsets(long long M, const long long* __restrict__ isect_ids, int tile_bits, int n_tiles,
+                             long long total_tiles, int* __restrict__ offsets) {
+  const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= M) return;
+  const long long cur = gs_tile_index((unsigned)((unsigned long long)isect_ids[j] >> 32), tile_bits, n_tiles);
+  const long long prev =
+      j == 0 ? -1 : gs_tile_index((unsigned)((unsigned long long)isect_ids[j - 1] >> 32), tile_bits, n_tiles);
+  gs_fill_offsets(j, M, prev, cur, total_tiles, offsets);
+}
