@@ -36,6 +36,6 @@ __all__ = [
 
 def default_programs() -> list[KernelProgram]:
     """Every kernel program the ops compile with their default settings (benchmark and CI use it)."""
-    from . import hashgrid, render
+    from . import hashgrid, render, ssim
 
-    return [*hashgrid.default_programs(), *render.default_programs()]
+    return [*hashgrid.default_programs(), *render.default_programs(), *ssim.default_programs()]
