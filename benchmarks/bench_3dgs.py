@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import sys
 import time
@@ -116,7 +115,7 @@ def run_gsplat(scene, steps: int, device) -> dict:
     import gsplat
     from gsplat.strategy import DefaultStrategy
 
-    import kernels
+    from kernels.ssim import ssim as fused_ssim
     from stages.reconstruct.gs.method import ViewSampler
     from stages.reconstruct.gs.model import init_gaussians, scene_extent
     from stages.reconstruct.train import seeded_generator
@@ -166,7 +165,7 @@ def run_gsplat(scene, steps: int, device) -> dict:
         strategy.step_pre_backward(splats, optimizers, state, step, info)
         pred = colors[0]
         l1 = (pred - gt).abs().mean()
-        ssim = kernels.ssim(pred.permute(2, 0, 1)[None], gt.permute(2, 0, 1)[None])
+        ssim = fused_ssim(pred.permute(2, 0, 1)[None], gt.permute(2, 0, 1)[None])
         loss = (1 - cfg.ssim_lambda) * l1 + cfg.ssim_lambda * (1 - ssim)
         loss.backward()
         for opt in optimizers.values():

@@ -176,7 +176,7 @@ class GaussianMethod:
 
     def forward_backward(self, batch, generator: torch.Generator, before_backward=None) -> dict:
         """Render each view of ``batch`` (a :class:`_Batch`) and add the gradients of the mean loss."""
-        import kernels
+        from kernels.ssim import ssim as fused_ssim
 
         step, views = self._step, batch.views
         lam = self.cfg.ssim_lambda
@@ -198,7 +198,7 @@ class GaussianMethod:
                                            self.sh_degree(step), bg[None], absgrad=self.cfg.densify.absgrad)
             pred = render[0]
             l1 = (pred - gt).abs().mean()
-            ssim = kernels.ssim(pred.permute(2, 0, 1)[None], gt.permute(2, 0, 1)[None])
+            ssim = fused_ssim(pred.permute(2, 0, 1)[None], gt.permute(2, 0, 1)[None], use_kernels=self.use_kernels)
             loss = ((1.0 - lam) * l1 + lam * (1.0 - ssim)) / len(batch.indices)
             mse = ((pred.detach() - gt) ** 2).mean() / len(batch.indices)
             if i == batch.indices[-1] and before_backward is not None:
