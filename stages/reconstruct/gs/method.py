@@ -150,7 +150,7 @@ class GaussianMethod:
             # RGBA views with no known colour: evaluation composites them on white (evaluate stage), so
             # the trained model renders onto white too (training itself draws random colours)
             self.background = torch.ones(3, device=self.device)
-        return _Views(views, ViewSampler(len(views), generator))
+        return _Views(views, ViewSampler(len(views), generator), self.device)
 
     def step_pre_forward(self, step: int, generator: torch.Generator) -> None:
         """Remember the step (the SH degree follows it) and the generator every rank shares (split samples)."""
@@ -178,13 +178,12 @@ class GaussianMethod:
         """Render each view of ``batch`` (a :class:`_Batch`) and add the gradients of the mean loss."""
         from kernels.ssim import ssim as fused_ssim
 
-        step, views = self._step, batch.views
-        lam = self.cfg.ssim_lambda
+        lam, views, n = self.cfg.ssim_lambda, batch.views, len(batch.indices)
         loss_sum = mse_sum = None
         pixels = 0
-        for i in batch.indices:
+        for k, i in enumerate(batch.indices):
+            intr = views.intrs[i]
             img = views.image(i).to(self.device, non_blocking=True).float() / 255.0
-            intr = views.intr(i)
             gt = img[..., :3]
             if img.shape[-1] == 4 and self._random_bg():
                 bg = torch.rand(3, generator=generator, device=generator.device).to(self.device)
@@ -193,15 +192,14 @@ class GaussianMethod:
             if img.shape[-1] == 4:
                 a = img[..., 3:]
                 gt = gt * a + bg * (1.0 - a)
-            viewmat = _viewmats(views.c2w[i:i + 1].to(self.device).float())
-            render, _, meta = self._render(viewmat, _K(intr, self.device)[None], intr.width, intr.height,
-                                           self.sh_degree(step), bg[None], absgrad=self.cfg.densify.absgrad)
+            render, _, meta = self._render(views.viewmats[i:i + 1], views.Ks[i:i + 1], intr.width, intr.height,
+                                           self.sh_degree(self._step), bg[None], absgrad=self.cfg.densify.absgrad)
             pred = render[0]
             l1 = (pred - gt).abs().mean()
             ssim = fused_ssim(pred.permute(2, 0, 1)[None], gt.permute(2, 0, 1)[None], use_kernels=self.use_kernels)
-            loss = ((1.0 - lam) * l1 + lam * (1.0 - ssim)) / len(batch.indices)
-            mse = ((pred.detach() - gt) ** 2).mean() / len(batch.indices)
-            if i == batch.indices[-1] and before_backward is not None:
+            loss = ((1.0 - lam) * l1 + lam * (1.0 - ssim)) / n
+            mse = ((pred.detach() - gt) ** 2).mean() / n
+            if k == n - 1 and before_backward is not None:
                 before_backward()
             loss.backward()
             self._metas.append(meta)
@@ -300,13 +298,27 @@ class _Batch:
 
 
 class _Views:
-    """The method's batch sampler: view indices, handed over with the images they index."""
+    """The method's batch sampler: view indices, handed over with the images they index.
 
-    def __init__(self, views, order: ViewSampler):
+    Everything a step reads per view is prepared once: the cameras as Python numbers and the
+    world-to-camera matrices and K on the method's device, and image offsets as Python ints
+    (slicing the pixel buffer by a device tensor would wait for the GPU every step)."""
+
+    def __init__(self, views, order: ViewSampler, device: torch.device):
         self.views, self.order = views, order
+        cams = views.cameras.to("cpu")
+        self.intrs = [cams.intrinsics(i) for i in range(len(views))]
+        self.offsets = views.offsets.tolist()
+        self.viewmats = _viewmats(views.c2w.to(device).float())
+        self.Ks = torch.stack([_K(k, "cpu") for k in self.intrs]).to(device)
+        self.channels = views.channels
+
+    def image(self, i: int) -> torch.Tensor:
+        intr = self.intrs[i]
+        return self.views.pixels[self.offsets[i]:self.offsets[i + 1]].view(intr.height, intr.width, self.channels)
 
     def sample(self, k: int) -> _Batch:
-        return _Batch(self.views, self.order.sample(k))
+        return _Batch(self, self.order.sample(k))
 
     def seek(self, drawn: int) -> None:
         self.order.seek(drawn)
