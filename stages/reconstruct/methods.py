@@ -80,9 +80,16 @@ class Method(Protocol):
     def render_image(self, intr: Intrinsics, c2w: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
         """[H, W, 3] float32 in [0, 1] on the method's device."""
 
-    def state_dict(self) -> dict: ...
+    def state_dict(self) -> dict:
+        """The replicated state: the same on every rank (the replica check compares it)."""
 
     def load_state_dict(self, state: dict) -> None: ...
+
+    def local_state(self) -> dict:
+        """State that differs between ranks (3DGS: densification statistics of its own views); a
+        checkpoint keeps every rank's."""
+
+    def load_local_state(self, state: dict) -> None: ...
 
     def summary(self) -> dict:
         """Method-specific figures for ``summary.json``."""
@@ -149,7 +156,7 @@ def load_optimizer_state(method, optimizers: dict, schedulers: dict | None) -> N
 
 def step_optimizers(optimizers: dict[str, torch.optim.Optimizer], schedulers: dict[str, Any],
                     skip: torch.Tensor) -> None:
-    """Step every optimizer unless ``skip`` ([1] float on the device, 1 = a non-finite step) is set,
+    """Step every optimizer unless ``skip`` (0-d float on the device, 1 = a non-finite step) is set,
     then drop the gradients and step the schedulers (a skipped step still advances them).
 
     On a GPU the fused Adam kernels read the flag themselves (``found_inf``, as under a

@@ -207,15 +207,15 @@ class StepProfiler:
 
 @torch.no_grad()
 def _nonfinite(loss: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
-    """[1] float32 on the device, 1 when the step's loss or any gradient holds a NaN or an Inf: one
+    """0-d float32 on the device, 1 when the step's loss or any gradient holds a NaN or an Inf: one
     fused check per dtype (GradScaler's, with a scale of 1, which leaves the gradients as they
     are) and no host sync, so a GPU step is not held up by it."""
-    found = (~torch.isfinite(loss)).float().reshape(1)
+    found = (~torch.isfinite(loss)).float().reshape(())
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
             by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    one = torch.ones(1, device=loss.device)
+    one = torch.ones((), device=loss.device)
     for grads in by_dtype.values():
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
     return found
@@ -269,6 +269,8 @@ class Trainer:
         m.load_state_dict(blob["state"])
         load_optimizer_state(m, blob["optimizers"], blob.get("schedulers"))
         self.rng.restore(blob["rng"][self.ctx.rank])
+        if blob.get("local"):
+            m.load_local_state(blob["local"][self.ctx.rank])
         self.start = int(blob["step"])
         prog = blob.get("progress") or {}
         self.res.rows = list(prog.get("rows", []))
@@ -281,6 +283,7 @@ class Trainer:
 
     def _save_checkpoint(self, done: int, elapsed: float, samples: float) -> None:
         rngs = all_gather_objects(self.ctx, self.rng.state())
+        local = all_gather_objects(self.ctx, self.method.local_state())
         if not self.strategy.saves:
             return
         m, p = self.method, self.params
@@ -288,7 +291,7 @@ class Trainer:
             "format": CKPT_FORMAT, "method": p.method, "method_version": m.VERSION, "config": to_dict(p),
             "seed": self.seed, "world_size": self.world, "step": done, "lr_scale": self.factor,
             "state": m.state_dict(), "optimizers": all_optimizer_state(m), "schedulers": all_scheduler_state(m),
-            "rng": rngs,
+            "rng": rngs, "local": local,
             "progress": {"rows": self.res.rows, "elapsed_s": elapsed, "samples": samples,
                          "skipped_steps": self.res.skipped_steps + int(self.skipped)},
         })
@@ -318,7 +321,7 @@ class Trainer:
         extras = strategy.reduce(1.0 / (self.M * self.world), acc)
         timer.comm_end()
         bad = _nonfinite(extras[0], m.parameters())
-        self.skipped += bad.to(self.skipped.dtype).reshape(())
+        self.skipped += bad.to(self.skipped.dtype)
         m.optimizer_step(step, bad)
         if m.after_step(step, strategy):
             strategy.rebind(m)

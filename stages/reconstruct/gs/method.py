@@ -255,8 +255,7 @@ class GaussianMethod:
     def state_dict(self) -> dict:
         bg = self.background if self.background is not None else torch.full((3,), -1.0, device=self.device)
         return {"params": {k: self.gaussians[k].detach() for k in NAMES}, "sh_degree": self.cfg.sh_degree,
-                "version": self.VERSION, "extent": torch.tensor(self.extent), "background": bg,
-                "densify": self.densify.state_dict()}
+                "version": self.VERSION, "extent": torch.tensor(self.extent), "background": bg}
 
     def load_state_dict(self, state: dict) -> None:
         params = state["params"]
@@ -273,8 +272,18 @@ class GaussianMethod:
         bg = state.get("background")
         if bg is not None and float(bg.min()) >= 0:  # -1: none (black)
             self.background = bg.to(self.device).float()
-        if "densify" in state:
-            self.densify.load_state_dict(state["densify"])
+
+    def local_state(self) -> dict:
+        """This rank's densification statistics (its own views' gradients, not yet reduced)."""
+        st = self.densify.state_dict()  # on the CPU: it travels through all_gather_object to rank 0
+        stats = None if st["stats"] is None else {k: v.cpu() for k, v in st["stats"].items()}
+        return {"densify": {**st, "stats": stats}}
+
+    def load_local_state(self, state: dict) -> None:
+        st = dict(state["densify"])
+        if st["stats"] is not None:
+            st["stats"] = {k: v.to(self.device) for k, v in st["stats"].items()}
+        self.densify.load_state_dict(st)
 
     def summary(self) -> dict:
         return {"kernels": self.use_kernels, "num_gaussians": self.n, "sh_degree": self.cfg.sh_degree,

@@ -200,6 +200,12 @@ class NerfMethod:
     def state_dict(self) -> dict:
         return {"field": self.field.state_dict(), "grid": self.grid.state_dict()}
 
+    def local_state(self) -> dict:
+        return {}  # every rank holds the same state
+
+    def load_local_state(self, state: dict) -> None:
+        pass
+
     def load_state_dict(self, state: dict) -> None:
         field = dict(state["field"])
         field.setdefault("fixed_background", torch.full((3,), -1.0))  # models saved before it existed
