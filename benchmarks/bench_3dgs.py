@@ -120,17 +120,17 @@ def run_gsplat(scene, steps: int, device) -> dict:
     from gsplat.strategy import DefaultStrategy
 
     from kernels.ssim import ssim as fused_ssim
-    from stages.reconstruct.gs.method import ViewSampler
+    from stages.reconstruct.gs.method import ViewSampler, _Views
     from stages.reconstruct.gs.model import init_gaussians, scene_extent
     from stages.reconstruct.train import seeded_generator
 
     cfg = our_params(steps).gs
     torch.manual_seed(SEED * 1_000_003)  # what the pipeline's loop seeds before building the method
-    g0 = torch.Generator(device=device).manual_seed(torch.initial_seed())
+    g0 = torch.Generator().manual_seed(torch.initial_seed())
     pts = None if scene.points is None else scene.points.to(device)
     rgb = None if scene.point_rgb is None else scene.point_rgb.to(device)
     init = init_gaussians(pts, rgb, scene.aabb.to(device), sh_degree=cfg.sh_degree, init_opacity=cfg.init_opacity,
-                          init_scale=cfg.init_scale, n_random=cfg.init_random, generator=g0)
+                          init_scale=cfg.init_scale, n_random=cfg.init_random, generator=g0, device=device)
     extent = scene_extent(scene.train.c2w)
     splats = torch.nn.ParameterDict({k: torch.nn.Parameter(v.detach().clone()) for k, v in init.items()})
     lrs = {"means": cfg.means_lr * extent, "scales": cfg.scales_lr, "quats": cfg.quats_lr,
@@ -142,9 +142,8 @@ def run_gsplat(scene, steps: int, device) -> dict:
     strategy.check_sanity(splats, optimizers)
     state = strategy.initialize_state(scene_scale=extent)
 
-    views = scene.train.to(device)
     shard = seeded_generator(SEED, 0, device)  # the pipeline's shard 0 stream: same view order, same backgrounds
-    order = ViewSampler(len(views), shard)
+    views = _Views(scene.train.to(device), ViewSampler(len(scene.train), shard), device)  # as ours reads them
     rgba = views.channels == 4
     eval_bg = eval_background(scene).to(device)
     torch.cuda.empty_cache()
@@ -152,9 +151,9 @@ def run_gsplat(scene, steps: int, device) -> dict:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for step in range(steps):
-        (i,) = order.sample(1)
+        (i,) = views.order.sample(1)
         img = views.image(i).float() / 255.0
-        intr = views.intr(i)
+        intr = views.intrs[i]
         if rgba:
             bg = torch.rand(3, generator=shard, device=shard.device).to(device)
             gt = composite(img, bg)
@@ -163,8 +162,8 @@ def run_gsplat(scene, steps: int, device) -> dict:
         sh_degree = min(step // cfg.sh_degree_every, cfg.sh_degree)
         colors, alphas, info = gsplat.rasterization(
             splats["means"], splats["quats"], torch.exp(splats["scales"]), torch.sigmoid(splats["opacities"]),
-            torch.cat([splats["sh0"], splats["shN"]], 1), _viewmat(views.c2w[i].float())[None],
-            _K(intr, device)[None], intr.width, intr.height, sh_degree=sh_degree, packed=False,
+            torch.cat([splats["sh0"], splats["shN"]], 1), views.viewmats[i:i + 1], views.Ks[i:i + 1],
+            intr.width, intr.height, sh_degree=sh_degree, packed=False,
             backgrounds=bg[None], near_plane=cfg.near, far_plane=cfg.far)
         strategy.step_pre_backward(splats, optimizers, state, step, info)
         pred = colors[0]
