@@ -265,8 +265,10 @@ class DensifyStrategy:
         elif self.stats["count"].shape[0] != n:
             raise ValueError(f"meta has {n} Gaussians, the statistics {self.stats['count'].shape[0]}: "
                              "the parameters changed outside this strategy")
-        scale = torch.tensor([width / 2.0 * cameras, height / 2.0 * cameras], device=grad.device)
-        norms = (grad * scale).norm(dim=-1)  # [C, N]
+        # NDC scale as Python numbers: a tensor built from them would be a host-to-device copy,
+        # which waits for the GPU's queue every training step
+        sx, sy = width / 2.0 * cameras, height / 2.0 * cameras
+        norms = torch.hypot(grad[..., 0] * sx, grad[..., 1] * sy)  # [C, N]
         vis = visible.to(norms.dtype)
         self.stats["grad2d"] += (norms * vis).sum(0)
         self.stats["count"] += vis.sum(0)

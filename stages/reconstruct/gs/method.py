@@ -206,7 +206,8 @@ class GaussianMethod:
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             mse_sum = mse if mse_sum is None else mse_sum + mse
             pixels += intr.width * intr.height
-        return {"loss": loss_sum, "mse": mse_sum, "num_samples": pixels}
+        # a count made on the device: torch.as_tensor(int) would copy from the host and wait for the GPU
+        return {"loss": loss_sum, "mse": mse_sum, "num_samples": torch.full((), float(pixels), device=self.device)}
 
     def optimizer_step(self, step: int, skip: torch.Tensor) -> None:
         step_optimizers(self.optimizers, self.schedulers, skip)
