@@ -3,6 +3,7 @@
 Example:
     >>> model = load_trained("data/reconstruct")
     >>> img = model.render(intr, c2w_cv)          # [H, W, 3] float32 in [0, 1], on the CPU
+    >>> out = model.render_outputs(intr, c2w_cv)  # {"rgb", "depth", "alpha"}, on the CPU
 """
 from __future__ import annotations
 
@@ -32,6 +33,25 @@ class TrainedModel:
     def render(self, intr: Intrinsics, c2w_cv: np.ndarray, chunk_rays: int = 8192) -> torch.Tensor:
         c2w = torch.as_tensor(np.asarray(c2w_cv), dtype=torch.float32)
         return self._method.render_image(intr, c2w, chunk_rays).float().cpu()
+
+    @property
+    def has_outputs(self) -> bool:
+        """Whether the method renders depth and opacity besides RGB (:meth:`render_outputs`)."""
+        return hasattr(self._method, "render_outputs")
+
+    @torch.no_grad()
+    def render_outputs(self, intr: Intrinsics, c2w_cv: np.ndarray, chunk_rays: int = 8192) -> dict[str, torch.Tensor]:
+        """``rgb`` [H, W, 3] in [0, 1], ``depth`` [H, W] (expected ray distance, weights' sum of
+        distances along the unit ray, not divided by the opacity) and ``alpha`` [H, W] (opacity),
+        float32 on the CPU.
+
+        Raises:
+            ValueError: the method renders RGB only.
+        """
+        if not self.has_outputs:
+            raise ValueError(f"method {self.method!r} renders RGB only (no render_outputs): no depth or opacity")
+        c2w = torch.as_tensor(np.asarray(c2w_cv), dtype=torch.float32)
+        return {k: v.float().cpu() for k, v in self._method.render_outputs(intr, c2w, chunk_rays).items()}
 
 
 def load_trained(model_dir: str | Path, device: str = "auto") -> TrainedModel:
