@@ -29,6 +29,11 @@ class TrainedModel:
         self.device = device
         self.num_params = method.num_params
 
+    @property
+    def module(self):
+        """The method object itself (``NerfMethod``, ...), for tools that need more than renders (export)."""
+        return self._method
+
     @torch.no_grad()
     def render(self, intr: Intrinsics, c2w_cv: np.ndarray, chunk_rays: int = 8192) -> torch.Tensor:
         c2w = torch.as_tensor(np.asarray(c2w_cv), dtype=torch.float32)
