@@ -285,8 +285,6 @@ class Viewer:
         self.server.scene.set_up_direction("+z")  # the normalized frame's up (poses.align_up)
         self.status = self.server.gui.add_markdown(title or "rayforge viewer")
         self.stats = self.server.gui.add_markdown("no frame yet")
-        self.show_cameras = self.server.gui.add_checkbox("Training cameras", True)
-        self.show_points = self.server.gui.add_checkbox("Sparse points", True)
         self.max_size = self.server.gui.add_slider("Max resolution", 64, 4096, 16,
                                                     min(4096, max(64, self.params.max_size)))
         self.max_size.on_update(lambda _: self._set_max_size(int(self.max_size.value)))
@@ -294,9 +292,11 @@ class Viewer:
         self.points = None
         if poses_dir is not None:
             self._add_poses(Path(poses_dir))
-        self.show_cameras.on_update(lambda _: self._set_visible(self.frustums, self.show_cameras.value))
-        self.show_points.on_update(lambda _: self._set_visible([self.points] if self.points else [],
-                                                                self.show_points.value))
+            cams = self.server.gui.add_checkbox("Training cameras", True)
+            cams.on_update(lambda _: self._set_visible(self.frustums, cams.value))
+            if self.points is not None:
+                pts = self.server.gui.add_checkbox("Sparse points", True)
+                pts.on_update(lambda _: self._set_visible([self.points], pts.value))
         self.server.on_client_connect(self._connect)
         self.server.on_client_disconnect(self._disconnect)
 

@@ -24,7 +24,8 @@ TINY_PIPELINE = {
     "export": {"resolution": 32, "points": 2000},  # a token mesh and point cloud
 }
 # Keys that newer params.yaml files have: turned off where present (CI time), left alone where not.
-OPTIONAL_OFF = {"evaluate": {"orbit_frames": 0}, "reconstruct": {"tensorboard": False}}
+OPTIONAL_OFF = {"evaluate": {"orbit_frames": 0}, "reconstruct": {"tensorboard": False},
+                "export": {"mesh": False, "point_cloud": False}}
 
 
 def optional_off(params: dict) -> dict:

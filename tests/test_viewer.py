@@ -5,7 +5,8 @@ or be a data:/blob: URL), the first frame is rendered and shown (the canvas take
 colour), a mouse drag on the canvas orbits the camera (viser's client sends the new camera), and
 a new frame of the new camera arrives, coarse first and refined to full size once the camera
 rests. The tiny NeRF renders a near-uniform grey, so a second viewer of a scene coloured by view
-direction checks that the page shows the frame of each camera it sends. Screenshots go to tests/artifacts/. The live viewer's gate is tested with threads: renders
+direction checks that the page shows the frame of each camera it sends; a third, the live viewer,
+renders only inside the training loop's ``update`` calls. Screenshots go to tests/artifacts/. The live viewer's gate is tested with threads: renders
 run only inside the training loop's ``update`` call, and ``update`` is a no-op with no browser.
 """
 from __future__ import annotations
@@ -176,6 +177,27 @@ def test_viewer_page_shows_frames_and_follows_a_drag(tiny_model, chromium, tmp_p
         Image.fromarray(after.astype(np.uint8)).save(tmp_path / "viewer_sky_after_drag.png")
         assert np.abs(want_after - want_before).max() > 3 * SHOWN  # the drag turned the view a good way
         assert np.abs(canvas_centre(after) - want_after).max() < SHOWN, (canvas_centre(after), want_after)
+        viewer.close()
+
+        # live during training: frames are rendered only inside the loop's update() calls
+        from stages.reconstruct.api import load_trained
+
+        method = load_trained(model_dir).module
+        live = V.LiveViewer(poses, V.ViewerParams(port=free_port(), max_size=96, rest_s=0.2))
+        viewer = live.viewer
+        navigate(browser, session, viewer.url)
+        wait_for("the page to connect", lambda: viewer.clients)
+        time.sleep(1.0)
+        assert not viewer.frames  # no training step yet: nothing may touch the model
+        step = 0
+        while not full_frames(viewer) and step < 20_000:  # a stand-in loop: steps of 10 ms, then update()
+            time.sleep(0.01)
+            live.update(method, step)
+            step += 1
+        assert full_frames(viewer), f"no full-size frame after {step} updates"
+        n0 = len(viewer.frames)
+        time.sleep(1.0)
+        assert len(viewer.frames) == n0  # between updates the renders wait
     finally:
         browser.close()
         viewer.close()
