@@ -231,33 +231,17 @@ def export_gaussians(state: dict, tmp: Path) -> dict:
     return {"gaussians": {"file": "gaussians.ply", "count": int(state["params"]["means"].shape[0])}}
 
 
-def model_blob(model_dir: Path) -> dict:
-    """``<model_dir>/model.pt`` as written by the reconstruct stage (checked like ``api.load_trained``)."""
-    from stages.reconstruct import MODEL_FORMAT
-
-    path = model_dir / "model.pt"
-    if not path.is_file():
-        raise ValueError(f"no trained model at {path}; run the reconstruct stage first")
-    try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # a truncated or foreign file: say which
-        raise ValueError(f"{path}: not a readable model file ({exc})") from None
-    if not isinstance(blob, dict) or blob.get("format") != MODEL_FORMAT or "method" not in blob:
-        raise ValueError(f"{path}: not a {MODEL_FORMAT} file")
-    return blob
-
-
 def run(params: ExportParams, model_dir: str | Path, poses_dir: str | Path, out_dir: str | Path, seed: int = 0,
         progress: bool = True) -> dict:
     """Export the model of ``model_dir`` into ``out_dir`` (replaced on success); returns export.json."""
-    from stages.reconstruct.api import load_trained
+    from stages.reconstruct.api import load_trained, read_model
 
     model_dir, poses_dir = Path(model_dir), Path(poses_dir)
     out = Path(out_dir).resolve()
     for name, src in (("model", model_dir), ("poses", poses_dir)):  # atomic_dir replaces the out folder
         if out == src.resolve() or out in src.resolve().parents:
             raise ValueError(f"the out folder {out_dir} holds the {name} folder {src}; give the export its own")
-    blob = model_blob(model_dir)
+    blob = read_model(model_dir)
     t0 = time.perf_counter()
     with atomic_dir(out_dir) as tmp:
         if blob["method"] == "3dgs":  # the tensors are the export: no renderer needed

@@ -24,7 +24,7 @@ import pytest
 from PIL import Image
 
 from stages import viewer as V
-from test_report_browser import ARTIFACTS, Browser, find_chromium
+from test_report_browser import ARTIFACTS, Browser, chromium  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.integration  # starts a server and a browser
 
@@ -43,15 +43,6 @@ def wait_for(what: str, cond, timeout: float = 60.0):
             return got
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-@pytest.fixture
-def chromium() -> str:
-    exe = find_chromium()
-    if exe is None:
-        pytest.skip("no Chromium binary (Debian: apt-get install chromium; scripts/setup.sh does it as root or "
-                    "with sudo); set CHROMIUM=/path/to/chrome to use another")
-    return exe
 
 
 def screenshot(browser: Browser, session: str) -> np.ndarray:

@@ -59,8 +59,8 @@ class TrainedModel:
         return {k: v.float().cpu() for k, v in self._method.render_outputs(intr, c2w, chunk_rays).items()}
 
 
-def load_trained(model_dir: str | Path, device: str = "auto") -> TrainedModel:
-    """Load ``<model_dir>/model.pt`` written by the reconstruct stage."""
+def read_model(model_dir: str | Path) -> dict:
+    """The checked contents of ``<model_dir>/model.pt`` (format, method, config, aabb, state) on the CPU."""
     path = Path(model_dir) / "model.pt"
     if not path.is_file():
         raise ValueError(f"no trained model at {path}; run the reconstruct stage first")
@@ -70,6 +70,12 @@ def load_trained(model_dir: str | Path, device: str = "auto") -> TrainedModel:
         raise ValueError(f"{path}: not a readable model file ({exc})") from None
     if not isinstance(blob, dict) or blob.get("format") != MODEL_FORMAT:
         raise ValueError(f"{path}: not a {MODEL_FORMAT} file")
+    return blob
+
+
+def load_trained(model_dir: str | Path, device: str = "auto") -> TrainedModel:
+    """Load ``<model_dir>/model.pt`` written by the reconstruct stage."""
+    blob = read_model(model_dir)
     params = from_dict(ReconstructParams, blob["config"], "reconstruct")
     params.nerf.use_kernels = "auto"  # render with kernels where they run, whatever trained it
     dev = pick_device(device)
