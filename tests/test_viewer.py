@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import requires_gpu
 from stages import viewer as V
 from test_report_browser import ARTIFACTS, Browser, chromium  # noqa: F401  (a fixture)
 
@@ -229,3 +230,26 @@ def test_live_update_without_a_browser_is_cheap() -> None:
         assert per_call < 20e-6, per_call  # a length check and a clock read (measured ~1 us)
     finally:
         live.close()
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_frames_fill_the_canvas_at_interactive_rates(tiny_model) -> None:
+    """On a GPU a moving camera gets frames of the whole canvas (or most of it) within the budget."""
+    from stages.reconstruct.api import load_trained
+
+    poses, model_dir = tiny_model
+    model = load_trained(model_dir, device="cuda")
+    viewer = V.Viewer(V.model_render_fn(model, 1 << 16), None, V.ViewerParams(port=free_port()))
+    try:
+        cam = V.Camera(np.eye(4), 1.0, 1280, 720)
+        intr = cam.intrinsics(640)
+        viewer.render_fn(intr, cam.c2w)  # kernels compiled, caches warm
+        for _ in range(3):
+            t0 = time.perf_counter()
+            viewer.render_fn(intr, cam.c2w)
+            viewer.measured(intr.width * intr.height, time.perf_counter() - t0)
+        side = viewer.moving_size(cam, 1280)
+        assert side >= 640, (side, viewer.rays_per_s)  # a 640x360 frame in 0.1 s: 10 frames/s at least
+    finally:
+        viewer.close()
