@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import math
 import sys
@@ -56,7 +57,7 @@ class ViewerParams:
     chunk_rays: int = 8192
 
     def __post_init__(self) -> None:
-        check(0 <= self.port < 65536, "port", "must be in 0..65535", self.port)
+        check(0 < self.port < 65536, "port", "must be in 1..65535", self.port)
         check(16 <= self.min_size <= self.max_size <= 8192, "max_size", "must be in min_size..8192", self.max_size)
         check(self.min_size >= 16, "min_size", "must be >= 16", self.min_size)
         check(0.005 <= self.frame_budget_s <= 10, "frame_budget_s", "must be in [0.005, 10]", self.frame_budget_s)
@@ -438,7 +439,7 @@ class LiveViewer:
         self._credit = 0.0
         self._last = time.perf_counter()
         p = params or ViewerParams()
-        p.frame_budget_s = min(p.frame_budget_s, 0.05)  # strips short enough to slip between steps
+        p = dataclasses.replace(p, frame_budget_s=min(p.frame_budget_s, 0.05))  # strips that slip between steps
         self.viewer = Viewer(self._render, poses_dir, p, title="training: waiting for the first step",
                              gate=Gate(always_open=False))
 
