@@ -47,7 +47,7 @@ class ExportParams:
     resolution: int = 128  # grid samples along the scene box's longest side
     density_threshold: float = 25.0  # the iso-level (field density, 1 / normalized-frame units)
     point_cloud: bool = True  # NeRF: points where training rays terminate
-    points: int = 100_000  # rays drawn from the training cameras for the point cloud
+    points: int = 50_000  # rays drawn from the training cameras for the point cloud
     min_opacity: float = 0.5  # rays less opaque than this give no point
     chunk: int = 65536  # points (or rays) per forward pass
 
