@@ -21,9 +21,11 @@ TINY_PIPELINE = {
     "reconstruct": {"steps": 40, "batch_rays": 512, "eval_every": 20, "nerf": TINY_NERF},
     "evaluate": {"chunk_rays": 4096, "orbit_frames": 4, "orbit_size": 24},  # a token orbit: CI time matters
     "report": {"max_views": 2},
+    "export": {"resolution": 32, "points": 2000},  # a token mesh and point cloud
 }
 # Keys that newer params.yaml files have: turned off where present (CI time), left alone where not.
-OPTIONAL_OFF = {"evaluate": {"orbit_frames": 0}, "reconstruct": {"tensorboard": False}}
+OPTIONAL_OFF = {"evaluate": {"orbit_frames": 0}, "reconstruct": {"tensorboard": False},
+                "export": {"mesh": False, "point_cloud": False}}
 
 
 def optional_off(params: dict) -> dict:

@@ -17,3 +17,14 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data not found at {SHARED_DATA} (only beside the project's own checkout)")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> tuple[Path, Path]:
+    """(poses folder, model folder) of a tiny NeRF trained for a few CPU steps (tests/_tiny_model.py),
+    shared by the tools' tests (viewer, videos, export)."""
+    from _tiny_model import make_poses, train_tiny
+
+    root = tmp_path_factory.mktemp("tiny_model")
+    poses = make_poses(root)
+    return poses, train_tiny(poses, root / "model")

@@ -35,7 +35,7 @@ def exp_repo(tmp_path_factory) -> Path:
     run(["git", "commit", "-qm", "baseline"], repo)
     for name, sets in EXPERIMENTS.items():
         out = run(["dvc", "exp", "run", "-n", name] + [a for s in sets for a in ("-S", s)], repo)
-        assert ran_stages(out) == ["reconstruct", "evaluate", "report"], out[-2000:]
+        assert ran_stages(out) == ["reconstruct", "evaluate", "report", "export"], out[-2000:]
         run(["git", "reset", "-q", "--hard"], repo)  # back to the baseline's params, lock and metrics
         run(["dvc", "checkout", "-q", "--force"], repo)
     return repo

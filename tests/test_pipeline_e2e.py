@@ -26,7 +26,7 @@ def repo(tmp_path_factory) -> Path:
 
 def test_repro_runs_every_stage_and_writes_outs(repo: Path):
     out = run(["dvc", "repro"], repo)
-    assert ran_stages(out) == ["scene", "ingest", "poses", "reconstruct", "evaluate", "report"]
+    assert ran_stages(out) == ["scene", "ingest", "poses", "reconstruct", "evaluate", "report", "export"]
     poses = json.loads((repo / "data/metrics/poses.json").read_text())
     assert poses["num_registered"] == poses["num_images"] == 24
     split = json.loads((repo / "data/poses/split.json").read_text())
@@ -46,6 +46,8 @@ def test_repro_runs_every_stage_and_writes_outs(repo: Path):
     assert f"data:image/{ev['orbit']['file'].rsplit('.', 1)[1]};base64," in html  # the orbit, embedded
     md = (repo / "data/report/report.md").read_text()
     assert f"git checkout {ev['environment']['code_revision']}" in md
+    exported = json.loads((repo / "data/export/export.json").read_text())  # 40 steps: a surface is not sure
+    assert exported["method"] == "nerf" and exported["mesh"]["grid"][0] == 32 and exported["point_cloud"]["rays"] == 2000
 
 
 def test_second_repro_does_nothing(repo: Path):
@@ -58,4 +60,4 @@ def test_changing_a_reconstruct_param_reruns_only_downstream(repo: Path):
     params["reconstruct"]["steps"] = 30
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     out = run(["dvc", "repro"], repo)
-    assert ran_stages(out) == ["reconstruct", "evaluate", "report"]
+    assert ran_stages(out) == ["reconstruct", "evaluate", "report", "export"]

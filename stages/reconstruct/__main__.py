@@ -25,6 +25,13 @@ def _parser() -> argparse.ArgumentParser:
                     "must be on a filesystem every host sees")
     ap.add_argument("--write-slurm", metavar="FILE", help="write a SLURM batch script that runs this "
                     "command on reconstruct.distributed.nodes hosts, then exit without training")
+    ap.add_argument("--write-k8s", metavar="FILE", help="write a Kubeflow PyTorchJob manifest that runs this "
+                    "command on reconstruct.distributed.nodes pods, then exit without training")
+    ap.add_argument("--k8s-image", default="", help="--write-k8s: the container image holding this project")
+    ap.add_argument("--k8s-name", default="rayforge-reconstruct", help="--write-k8s: the PyTorchJob's name")
+    ap.add_argument("--k8s-namespace", default="", help="--write-k8s: its namespace (default: kubectl's)")
+    ap.add_argument("--k8s-pvc", default="", help="--write-k8s: a PersistentVolumeClaim mounted as the working "
+                    "directory of every pod (where the poses are and the outs go)")
     ap.add_argument("--node-rank", type=int, help="this host's place when reconstruct.distributed.nodes > 1 "
                     "(0 hosts the rendezvous)")
     ap.add_argument("--launch", choices=("auto", "torchrun", "inline"), default="auto",
@@ -72,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.write_slurm:
             L.write_slurm(args.write_slurm, params, _stage_args(args, str(Path(ckpt_dir).resolve())))
             log.info("wrote %s: submit it with `sbatch %s`", args.write_slurm, args.write_slurm)
+            return 0
+
+        if args.write_k8s:
+            L.write_k8s(args.write_k8s, params, _stage_args(args, ckpt_dir), image=args.k8s_image,
+                        job_name=args.k8s_name, namespace=args.k8s_namespace, volume_claim=args.k8s_pvc)
+            log.info("wrote %s: submit it with `kubectl apply -f %s`", args.write_k8s, args.write_k8s)
             return 0
 
         p = L.plan(params)

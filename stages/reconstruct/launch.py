@@ -223,3 +223,92 @@ def write_slurm(path: str | Path, params: ReconstructParams, stage_args: list[st
     path.write_text(text)
     path.chmod(0o755)
     return text
+
+
+K8S_PORT_NAME = "pytorchjob-port"  # the Training Operator sets MASTER_PORT from the Master's port of this name
+
+
+def write_k8s(path: str | Path, params: ReconstructParams, stage_args: list[str], *, image: str,
+              job_name: str = "rayforge-reconstruct", namespace: str = "", volume_claim: str = "",
+              mount: str = "/workspace") -> str:
+    """Write a Kubeflow PyTorchJob manifest (``kubeflow.org/v1``, the Training Operator) for
+    ``reconstruct.distributed.nodes`` pods of ``gpus`` GPUs each (``cpu_workers`` processes on a CPU).
+
+    One Master pod and ``nodes - 1`` Worker pods each run torchrun with the stage's arguments;
+    they meet at a c10d rendezvous on the Master's service (``$(MASTER_ADDR):$(MASTER_PORT)``,
+    which the operator sets in every pod), hosted by the Master's agent (``is_host``).
+    ``volume_claim``: a PersistentVolumeClaim mounted at ``mount`` in every pod, the working
+    directory, where the stage's relative paths (poses, out, checkpoints) must be shared.
+
+    Returns the manifest's text.
+
+    Raises:
+        ValueError: ``gpus: auto`` (a pod must ask for a number of GPUs), no image, a bad job name.
+    """
+    import re
+
+    import yaml
+
+    dp = params.distributed
+    if not image:
+        raise ValueError("a Kubernetes manifest needs the container image that holds this project (--k8s-image)")
+    if not re.fullmatch(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?", job_name):
+        raise ValueError(f"job name {job_name!r} must be a DNS-1035 label: lowercase letters, digits and '-', "
+                         "starting with a letter, at most 63 characters")
+    if params.device == "cpu":
+        nproc, gpus = dp.cpu_workers, 0
+    elif dp.gpus == "auto":
+        raise ValueError("reconstruct.distributed.gpus is 'auto', but a Kubernetes pod must ask for a number of "
+                         "GPUs: set reconstruct.distributed.gpus to the GPUs per node (e.g. -S "
+                         "reconstruct.distributed.gpus=8)")
+    else:
+        nproc, gpus = dp.gpus, dp.gpus
+    t = dp.rdzv_timeout_s
+
+    def replica(role: str, replicas: int) -> dict:
+        host = "true" if role == "Master" else "false"
+        command = ["python", "-m", "torch.distributed.run", f"--nnodes={dp.nodes}", f"--nproc-per-node={nproc}",
+                   f"--max-restarts={dp.max_restarts}", "--rdzv-backend=c10d",
+                   "--rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT)", f"--rdzv-id={job_name}",
+                   f"--rdzv-conf=join_timeout={t},read_timeout={t},is_host={host}",
+                   "-m", "stages.reconstruct", *stage_args]
+        container = {
+            "name": "pytorch",  # the operator's default container name: it injects the rendezvous env here
+            "image": image,
+            "command": command,
+            # a fresh store for every torchrun restart (pytorch/pytorch#135712)
+            "env": [{"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"}],
+            "ports": [{"name": K8S_PORT_NAME, "containerPort": DEFAULT_RDZV_PORT}],
+            "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],  # NCCL needs more than 64 MiB
+        }
+        if gpus:
+            container["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
+        volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+        if volume_claim:
+            container["workingDir"] = mount
+            container["volumeMounts"].append({"name": "work", "mountPath": mount})
+            volumes.append({"name": "work", "persistentVolumeClaim": {"claimName": volume_claim}})
+        return {"replicas": replicas, "restartPolicy": "OnFailure",
+                "template": {"metadata": {"labels": {"app": "rayforge", "role": role.lower()}},
+                             "spec": {"containers": [container], "volumes": volumes}}}
+
+    specs = {"Master": replica("Master", 1)}
+    if dp.nodes > 1:
+        specs["Worker"] = replica("Worker", dp.nodes - 1)
+    metadata: dict = {"name": job_name, "labels": {"app": "rayforge"}}
+    if namespace:
+        metadata["namespace"] = namespace
+    doc = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": metadata,
+           "spec": {"nprocPerNode": str(nproc),
+                    "runPolicy": {"cleanPodPolicy": "None", "backoffLimit": max(1, dp.max_restarts)},
+                    "pytorchReplicaSpecs": specs}}
+    where = f"{dp.nodes} pod(s) x {nproc} {'GPU' if gpus else 'CPU'} process(es)"
+    header = ["# Kubeflow PyTorchJob written by `python -m stages.reconstruct --write-k8s` from",
+              f"# reconstruct.distributed: {where}, torchrun in each, c10d rendezvous on the Master.",
+              f"# Submit: kubectl apply -f {Path(path).name}   (needs the Kubeflow Training Operator)"]
+    if not volume_claim:
+        header.append("# No --k8s-pvc: the image's working directory must hold the poses and keep the outs.")
+    text = "\n".join(header) + "\n" + yaml.safe_dump(doc, sort_keys=False, width=1000)
+    path = Path(path)
+    path.write_text(text)
+    return text

@@ -1,7 +1,8 @@
 """The hash-grid NeRF as a trainable method: model, optimizer, one training step, rendering.
 
 It implements :class:`stages.reconstruct.methods.Method` (the members the training loop,
-checkpoints and evaluation call); its batches are random rays of the training views.
+checkpoints and evaluation call); its batches are random rays of the training views. Beside
+``render_image`` it has ``render_outputs`` (depth and opacity too) for camera paths and export.
 """
 from __future__ import annotations
 
@@ -181,21 +182,35 @@ class NerfMethod:
         return {"kernels": self.use_kernels, "fused_render": self.fused, "cuda_graph": graph}
 
     @torch.no_grad()
-    def render_rays(self, o: torch.Tensor, d: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
-        """Colours [R, 3] in [0, 1]; the dense renderer stops each ray early (render_rays_early_stop)."""
-        outs = []
+    def render_ray_outputs(self, o: torch.Tensor, d: torch.Tensor, chunk: int = 8192) -> dict[str, torch.Tensor]:
+        """``rgb`` [R, 3] in [0, 1], ``depth`` [R] (the weights' sum of sample distances along the unit
+        ray, not divided by the opacity) and ``alpha`` [R] (opacity, the weights' sum) of rays [R, 3];
+        the dense renderer stops each ray early (render_rays_early_stop)."""
+        outs: dict[str, list[torch.Tensor]] = {"rgb": [], "depth": [], "alpha": []}
         for i in range(0, o.shape[0], chunk):
             args = (self.field, self.grid, o[i : i + chunk], d[i : i + chunk], self.step_size,
                     self.cfg.samples_per_ray, self.cfg.near)
             r = render_rays(*args, fused=True) if self.fused else render_rays_early_stop(*args)
-            outs.append(r["rgb"])
-        return torch.cat(outs).clamp(0, 1)
+            for key, name in (("rgb", "rgb"), ("depth", "depth"), ("alpha", "opacity")):
+                outs[key].append(r[name])
+        out = {k: torch.cat(v) for k, v in outs.items()}
+        out["rgb"] = out["rgb"].clamp(0, 1)
+        return out
+
+    def render_rays(self, o: torch.Tensor, d: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+        return self.render_ray_outputs(o, d, chunk)["rgb"]
 
     @torch.no_grad()
+    def render_outputs(self, intr: Intrinsics, c2w: torch.Tensor, chunk: int = 8192) -> dict[str, torch.Tensor]:
+        """Render one view: ``rgb`` [H, W, 3] float32 in [0, 1], ``depth`` [H, W] and ``alpha`` [H, W]
+        (see :meth:`render_ray_outputs`) on the method's device."""
+        o, d = image_rays(intr, c2w.float(), self.device)
+        shape = (intr.height, intr.width)
+        return {k: v.view(*shape, *v.shape[1:]) for k, v in self.render_ray_outputs(o, d, chunk).items()}
+
     def render_image(self, intr: Intrinsics, c2w: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
         """Render one view: [H, W, 3] float32 in [0, 1] on the method's device."""
-        o, d = image_rays(intr, c2w.float(), self.device)
-        return self.render_rays(o, d, chunk).view(intr.height, intr.width, 3)
+        return self.render_outputs(intr, c2w, chunk)["rgb"]
 
     def state_dict(self) -> dict:
         return {"field": self.field.state_dict(), "grid": self.grid.state_dict()}
