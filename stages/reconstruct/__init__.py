@@ -88,14 +88,19 @@ def run(
 
         tb_dir = Path(str(Path(out_dir)) + ".tb")
         tb = TensorBoardLog(tb_dir)
+    live = None
+    if ctx.is_main and params.viewer_port:
+        from stages.viewer import LiveViewer, ViewerParams
+
+        live = LiveViewer(poses_dir, ViewerParams(port=params.viewer_port))
+        log.info("live viewer of the training: http://127.0.0.1:%d", params.viewer_port)
     try:
         result = train(params, scene, device, seed, progress=progress, ctx=ctx, checkpoints=store, metrics=metrics,
-                       tensorboard=tb)
+                       tensorboard=tb, live=live)
     finally:
-        if metrics is not None:
-            metrics.close()
-        if tb is not None:
-            tb.close()
+        for closing in (metrics, tb, live):
+            if closing is not None:
+                closing.close()
     method = result.method
     config = to_dict(params)
     comm = result.step_comm_s

@@ -51,6 +51,7 @@ KEEP = 2
 OPERATIONAL_KEYS = frozenset({
     "eval_every",
     "tensorboard",
+    "viewer_port",
     "distributed.gpus", "distributed.nodes", "distributed.cpu_workers",
     "distributed.rdzv_endpoint", "distributed.rdzv_timeout_s", "distributed.grad_sync",
     "distributed.checkpoint_every", "distributed.max_restarts", "distributed.replica_check_every",

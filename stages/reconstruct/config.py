@@ -188,6 +188,7 @@ class ReconstructParams:
     batch_rays: int = 4096
     eval_every: int = 250
     tensorboard: bool = True  # scalars in <out>.tb/ while training, kept in <out>/tensorboard/ at the end
+    viewer_port: int = 0  # > 0: a live web viewer of the model on rank 0 while it trains (stages/viewer.py)
     nerf: NerfParams = field(default_factory=NerfParams)
     gs: GaussianParams = field(default_factory=GaussianParams)
     distributed: DistributedParams = field(default_factory=DistributedParams)
@@ -196,6 +197,7 @@ class ReconstructParams:
         check(self.steps >= 1, "steps", "must be >= 1", self.steps)
         check(self.batch_rays >= 16, "batch_rays", "must be >= 16", self.batch_rays)
         check(self.eval_every >= 1, "eval_every", "must be >= 1", self.eval_every)
+        check(0 <= self.viewer_port < 65536, "viewer_port", "must be in 0..65535 (0 = off)", self.viewer_port)
         switch(self, "kernels")
 
 

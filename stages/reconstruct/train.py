@@ -226,9 +226,9 @@ class Trainer:
 
     def __init__(self, params: ReconstructParams, scene: Scene, device: torch.device, seed: int, progress: bool,
                  ctx: DistContext, checkpoints: CheckpointStore | None, metrics: MetricsServer | None,
-                 tensorboard: TensorBoardLog | None):
+                 tensorboard: TensorBoardLog | None, live=None):
         self.params, self.device, self.seed, self.ctx = params, device, seed, ctx
-        self.checkpoints, self.metrics, self.tensorboard = checkpoints, metrics, tensorboard
+        self.checkpoints, self.metrics, self.tensorboard, self.live = checkpoints, metrics, tensorboard, live
         dp = params.distributed
         self.M, self.world = dp.micro_batches, ctx.world_size
         torch.manual_seed(seed * _STREAMS)  # every rank initialises as rank 0 would (and rank 0's copy is broadcast)
@@ -361,6 +361,8 @@ class Trainer:
             prof.at(step)
             extras, mine = self.step(step, timer)
             expected.after(done)
+            if self.live is not None:  # a browser's waiting renders run here, between two steps
+                self.live.update(m, done)
             sums += extras.to(sums.device)
             local_acc += mine
 
@@ -448,6 +450,7 @@ def train(
     checkpoints: CheckpointStore | None = None,
     metrics: MetricsServer | None = None,
     tensorboard: TensorBoardLog | None = None,
+    live=None,
 ) -> TrainResult:
     """Train ``params.method`` on ``scene``; see the module docstring for the distributed part.
 
@@ -456,6 +459,7 @@ def train(
         checkpoints: where to write and resume checkpoints (None: neither).
         metrics: rank 0's Prometheus gauges (None: off).
         tensorboard: rank 0's TensorBoard scalars (None: off).
+        live: rank 0's ``stages.viewer.LiveViewer`` (None: off), updated after every step.
     """
     ctx = ctx or DistContext(device=device)
-    return Trainer(params, scene, device, seed, progress, ctx, checkpoints, metrics, tensorboard).run(progress)
+    return Trainer(params, scene, device, seed, progress, ctx, checkpoints, metrics, tensorboard, live).run(progress)

@@ -160,7 +160,8 @@ class GaussianMethod:
     def sh_degree(self, step: int) -> int:
         return sh_degree_at(step, self.cfg.sh_degree, self.cfg.sh_degree_every)
 
-    def _render(self, viewmats, Ks, width: int, height: int, sh_degree: int, backgrounds, absgrad: bool = False):
+    def _render(self, viewmats, Ks, width: int, height: int, sh_degree: int, backgrounds, absgrad: bool = False,
+                render_mode: str = "RGB"):
         import kernels
 
         g = self.gaussians
@@ -168,7 +169,7 @@ class GaussianMethod:
             g["means"], g["quats"], torch.exp(g["scales"]), torch.sigmoid(g["opacities"]),
             torch.cat([g["sh0"], g["shN"]], dim=1), viewmats, Ks, width, height, sh_degree=sh_degree,
             backgrounds=backgrounds, near_plane=self.cfg.near, far_plane=self.cfg.far, eps2d=self.cfg.eps2d,
-            antialiased=self.cfg.antialiased, absgrad=absgrad)
+            antialiased=self.cfg.antialiased, absgrad=absgrad, render_mode=render_mode)
 
     def _random_bg(self) -> bool:
         rb = self.cfg.random_background
@@ -244,6 +245,16 @@ class GaussianMethod:
             gt = gt * img[..., 3:] + bg * (1.0 - img[..., 3:])
         pred = self.render_image(views.intr(i), views.c2w[i].float())
         return -10.0 * math.log10(max(float(torch.mean((pred - gt) ** 2)), 1e-10))
+
+    @torch.no_grad()
+    def render_outputs(self, intr: Intrinsics, c2w: torch.Tensor, chunk: int = 0) -> dict[str, torch.Tensor]:
+        """``rgb`` [H, W, 3] in [0, 1] (onto the scene's background, or black), ``depth`` [H, W] (the
+        blending weights' sum of camera-space depths, not divided by the opacity, as the NeRF's) and
+        ``alpha`` [H, W] (opacity), on the method's device."""
+        bg = self.background if self.background is not None else torch.zeros(3, device=self.device)
+        render, alpha, _ = self._render(_viewmats(c2w.to(self.device).float()[None]), _K(intr, self.device)[None],
+                                        intr.width, intr.height, self.cfg.sh_degree, bg[None], render_mode="RGB+D")
+        return {"rgb": render[0, ..., :3].clamp(0.0, 1.0), "depth": render[0, ..., 3], "alpha": alpha[0, ..., 0]}
 
     @torch.no_grad()
     def render_image(self, intr: Intrinsics, c2w: torch.Tensor, chunk: int = 0) -> torch.Tensor:
