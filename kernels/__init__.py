@@ -60,7 +60,7 @@ __all__ = [
 
 def default_programs() -> list[KernelProgram]:
     """Every kernel program the ops compile with their default settings (benchmark and CI use it)."""
-    from . import _gs_cuda, hashgrid, render, ssim
+    from . import _gs_cuda, adam, hashgrid, render, ssim
 
     return [*hashgrid.default_programs(), *render.default_programs(), *_gs_cuda.default_programs(),
-            *ssim.default_programs()]
+            *ssim.default_programs(), *adam.default_programs()]

@@ -378,7 +378,7 @@ def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: 
                   sh_degree: int | None = None, backgrounds=None, render_mode: str = "RGB",
                   near_plane: float = 0.01, far_plane: float = 1e10, eps2d: float = 0.3,
                   radius_clip: float = 0.0, antialiased: bool = False, absgrad: bool = False,
-                  tile_size: int = 16):
+                  tile_size: int = 16, validate: bool = True):
     """Render N Gaussians into C cameras: project, colour, bin into tiles, blend (gsplat's
     ``rasterization(..., packed=False)``).
 
@@ -393,6 +393,11 @@ def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: 
             antialiased multiplies opacities by the compensation.
         absgrad: ``meta["means2d"].absgrad`` after backward (see :func:`rasterize_to_pixels`).
         tile_size: 8, 16 or 32.
+        validate: check the values (finite means, scales, quaternions and cameras, no zero
+            quaternion): on a GPU one kernel and a host read, which makes the host wait for the
+            GPU. A caller whose tensors cannot hold such values (the training loop: a step with a
+            non-finite gradient never updates them) passes False; shapes, dtypes and devices are
+            checked either way.
 
     Returns:
         (render_colors [C, H, W, D'], render_alphas [C, H, W, 1], meta). meta holds "means2d"
@@ -428,7 +433,8 @@ def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: 
         _check("backgrounds", backgrounds, ("C", "D"), sizes, device=dev)
     tw, th = -(-width // tile_size), -(-height // tile_size)
     _check_key_space(C, N, tw * th)
-    _check_values(means, quats, scales, viewmats, Ks)  # the one host read of the checks
+    if validate:
+        _check_values(means, quats, scales, viewmats, Ks)  # the one host read of the checks
 
     proj = _project(means, quats, scales, viewmats, Ks, width, height, eps2d, near_plane, far_plane,
                     radius_clip, antialiased, opacities, True)

@@ -120,3 +120,19 @@ def test_two_gloo_processes_densify_identically(poses, tmp_path):
 
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["num_gaussians"] == blob["state"]["params"]["means"].shape[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_training_through_the_kernels_trains(poses):
+    """The CUDA path end to end: rasterizer kernels, fused SSIM, the one-launch Adam, no value checks."""
+    import kernels
+
+    if not kernels.available():
+        pytest.skip(f"CUDA kernels unavailable: {kernels.unavailable_reason()}")
+    p = gs_params({"device": "cuda", "steps": 120})
+    res = train(p, load_scene(poses), torch.device("cuda"), 0, progress=False)
+    assert res.method.use_kernels and res.rows[-1]["loss"] < 0.75 * res.rows[0]["loss"]
+    assert res.rebinds >= 1 and res.skipped_steps == 0
+    steps = {float(o.state[o.param_groups[0]["params"][0]]["step"]) for o in res.method.optimizers.values()}
+    assert steps == {120.0}
