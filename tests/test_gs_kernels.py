@@ -39,6 +39,19 @@ def _close(got, want, rtol, atol_scale, what):
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
+def _close_image(got, want, what):
+    """Pixels agree to float32 rounding (__expf against exp, sums over a pixel's list), except the
+    rare pixel where one (pixel, Gaussian) pair lands within rounding of alpha = 1/255 (or T of
+    1e-4) and one side skips it: that pixel moves by at most (1/255) |colour - colour behind|, < 0.02
+    here, and such pixels are at most 1e-4 of the image (expected: none or one)."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    diff = (got - want).abs()
+    tight = 2e-5 * max(1.0, float(want.abs().max()))
+    off = int((diff > tight).sum())
+    assert off <= max(2, int(1e-4 * diff.numel())), f"{what}: {off} of {diff.numel()} values differ by > {tight:.1e}"
+    assert float(diff.max()) < 0.02, f"{what}: max |difference| {float(diff.max()):.3g}"
+
+
 # ---------------------------------------------------------------------------- CPU: launch arguments
 
 _C_TYPES = {"long long": ctypes.c_int64, "int": ctypes.c_int32, "float": ctypes.c_float}
@@ -115,6 +128,8 @@ def test_projection_matches_the_twin(cuda, antialiased):
     gpu = [t.to(cuda).requires_grad_() for t in (means, quats, scales)]
     p = kernels.project_gaussians(*gpu, views.to(cuda), Ks.to(cuda), 200, 150, opacities=opac.to(cuda), **kw)
     r = ref.project_gaussians_reference(means, quats, scales, views, Ks, 200, 150, opacities=opac, **kw)
+    d = [t.double().requires_grad_() for t in (means, quats, scales)]
+    r64 = ref.project_gaussians_reference(*d, views.double(), Ks.double(), 200, 150, opacities=opac.double(), **kw)
     radii, want_radii = p.radii.cpu(), r.radii
     # a box half-size is a ceil(): where the float32 value sits within an ulp of an integer the kernel
     # and the twin (other summation order, CUDA's logf / sqrtf) may round to neighbours
@@ -122,7 +137,7 @@ def test_projection_matches_the_twin(cuda, antialiased):
     assert differ.float().mean() <= 2e-3, f"{int(differ.sum())} of {differ.numel()} radii differ"
     seen_by_both = (radii > 0).all(-1) & (want_radii > 0).all(-1)
     assert ((radii - want_radii).abs()[seen_by_both] <= 1).all()
-    both = (radii > 0).all(-1) & (want_radii > 0).all(-1) & ~differ
+    both = (radii > 0).all(-1) & (want_radii > 0).all(-1) & ~differ & (r64.radii == want_radii).all(-1)
     assert 0.3 < both.float().mean() < 0.95, "the scene should have visible and culled Gaussians"
     # culled entries are zeros in the kernel's outputs, as in the twin's
     culled = (radii == 0).all(-1)
@@ -133,7 +148,8 @@ def test_projection_matches_the_twin(cuda, antialiased):
     _close(p.depths.cpu()[both], r.depths[both], 1e-6, 1e-7, "depths")
     _close(p.conics.cpu()[both], r.conics[both], 2e-3, 1e-6, "conics")
     if antialiased:
-        _close(p.compensations.cpu()[both], r.compensations[both], 1e-4, 1e-6, "compensations")
+        # in [0, 1]; det(Sigma2d) without the low-pass cancels more (thin ellipses): 1e-5 absolute
+        _close(p.compensations.cpu()[both], r.compensations[both], 1e-4, 1e-5, "compensations")
     # backward: random cotangents on the entries both keep, against the float64 twin
     g = torch.Generator().manual_seed(3)
     cot = [torch.randn(t.shape, generator=g) * (both[..., None] if t.ndim == 3 else both) for t in
@@ -143,8 +159,6 @@ def test_projection_matches_the_twin(cuda, antialiased):
         cot.append(torch.randn(r.depths.shape, generator=g) * both)
         outs.append(p.compensations)
     got = torch.autograd.grad(sum((o * c.to(cuda)).sum() for o, c in zip(outs, cot)), gpu)
-    d = [t.double().requires_grad_() for t in (means, quats, scales)]
-    r64 = ref.project_gaussians_reference(*d, views.double(), Ks.double(), 200, 150, opacities=opac.double(), **kw)
     outs64 = [r64.means2d, r64.depths, r64.conics] + ([r64.compensations] if antialiased else [])
     want = torch.autograd.grad(sum((o * c.double()).sum() for o, c in zip(outs64, cot)), d)
     # float32 kernel vs float64: the conics' cancellation (above) bounds the relative error, ~2e-3
@@ -174,7 +188,8 @@ def test_spherical_harmonics_match_the_twin(cuda, degree):
     cot = torch.randn(out.shape, generator=g)
     got = torch.autograd.grad((out_b * cot.to(cuda)).sum(), (d, c))
     d64, c64 = dirs.double().requires_grad_(), coeffs.double().requires_grad_()
-    want = torch.autograd.grad((ref.spherical_harmonics_reference(degree, d64, c64) * cot.double()).sum(), (d64, c64))
+    want = torch.autograd.grad((ref.spherical_harmonics_reference(degree, d64, c64) * cot.double()).sum(), (d64, c64),
+                               allow_unused=True, materialize_grads=True)  # degree 0 ignores the directions
     _close(got[0], want[0], 1e-4, 1e-6, "d/ddirs")  # float32 sums of <= 16 terms
     _close(got[1], want[1], 1e-4, 1e-6, "d/dcoeffs")
     assert (got[1][:, (degree + 1) ** 2:] == 0).all()
@@ -273,9 +288,8 @@ def test_blending_matches_the_twin(cuda, tile_size, D, background):
     want_img, want_alpha = ref.rasterize_to_pixels_reference(*cpu_in[:4], W, H, tile_size, offsets, flat,
                                                              bg if background else None)
     assert 0.3 < float(want_alpha.mean()) < 0.97
-    # float32 both; CUDA's __expf differs from exp by ~1e-7 relative, summed over a pixel's list
-    _close(img, want_img, 0, 2e-5, "colours")
-    _close(alpha, want_alpha, 0, 2e-5, "alphas")
+    _close_image(img, want_img, "colours")
+    _close_image(alpha, want_alpha, "alphas")
     cot_img, cot_alpha = torch.randn(img.shape, generator=g), torch.randn(alpha.shape, generator=g)
     got = torch.autograd.grad((img * cot_img.to(cuda)).sum() + (alpha * cot_alpha.to(cuda)).sum(), gpu_in)
     d64 = [t.double().requires_grad_() for t in cpu_in]
@@ -294,16 +308,21 @@ def test_blending_matches_the_twin(cuda, tile_size, D, background):
 
 
 def _render_both(n, width, height, n_cams, seed, cuda, **kw):
+    """Render on the CPU (twins) and on the GPU (kernels) and backpropagate the same loss: random
+    weights on the colours and, for an expected-depth channel (D / alpha, ill-conditioned where
+    alpha is small), on the pixels whose alpha > 0.5."""
     means, quats, scales, opac, sh = gaussians(n, seed=seed, log_scale=(-3.5 - math.log(n / 2000) / 3, 0.6))
     views, Ks = camera(width, height, 0.9 * width, n=n_cams, seed=seed, spread=0.25)
     bg = torch.rand(n_cams, 3, generator=torch.Generator().manual_seed(seed))
-    out = {}
+    out, weights = {}, None
     for dev in ("cpu", cuda):
         params = [t.to(dev).requires_grad_() for t in (means, quats, scales, opac, sh)]
         img, alpha, meta = kernels.rasterization(*params, views.to(dev), Ks.to(dev), width, height, sh_degree=3,
                                                  backgrounds=bg.to(dev), **kw)
-        cot = torch.randn(img.shape, generator=torch.Generator().manual_seed(seed + 1)).to(dev)
-        (img * cot).sum().backward()
+        if weights is None:
+            weights = torch.randn(img.shape, generator=torch.Generator().manual_seed(seed + 1))
+            weights[..., 3:] *= (alpha.detach() > 0.5)
+        (img * weights.to(dev)).sum().backward()
         out[str(dev)] = (img, alpha, meta, [t.grad for t in params])
     return out["cpu"], out[str(cuda)]
 
@@ -314,8 +333,11 @@ def _compare_renders(cpu, gpu, what):
     assert gmeta["n_intersections"] <= meta["n_intersections"]
     assert torch.equal(gmeta["radii"].cpu(), meta["radii"]) or \
         (gmeta["radii"].cpu() != meta["radii"]).float().mean() < 2e-3  # ceil() at an ulp, see projection
-    _close(gimg, img, 0, 5e-5, f"{what}: colours")  # float32 twin and kernels, lists of up to hundreds
-    _close(galpha, alpha, 0, 5e-5, f"{what}: alphas")
+    _close_image(gimg[..., :3], img[..., :3], f"{what}: colours")
+    _close_image(galpha, alpha, f"{what}: alphas")
+    if img.shape[-1] > 3:  # expected depth where it is well conditioned
+        covered = alpha[..., 0] > 0.5
+        _close(gimg[..., 3].cpu()[covered], img[..., 3][covered], 1e-4, 1e-5, f"{what}: expected depth")
     for name, a, b in zip(("means", "quats", "scales", "opacities", "sh"), ggrads, grads):
         _close(a, b, 2e-3, 1e-4, f"{what}: d/d{name}")  # float32 both: see the projection and blending tests
     _close(gmeta["means2d"].grad, meta["means2d"].grad, 2e-3, 1e-4, f"{what}: means2d.grad")
@@ -359,7 +381,7 @@ def test_tiny_scene_gradients_match_float64_twin(cuda):
     offsets, flat = _lists(r, 16, 32, 32)
     img64, _ = ref.rasterize_to_pixels_reference(r.means2d, r.conics, rgb, d64[3][None].expand(1, 6).contiguous(),
                                                  32, 32, 16, offsets, flat)
-    _close(img, img64, 0, 1e-5, "colours")
+    _close_image(img, img64, "colours")
     want = torch.autograd.grad((img64 * cot.double()).sum(), d64)
     for name, a, b in zip(("means", "quats", "scales", "opacities", "sh"), got, want):
         _close(a, b, 1e-3, 1e-5, f"d/d{name}")  # float32 arithmetic of a few dozen pixel terms
