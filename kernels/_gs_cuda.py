@@ -227,7 +227,7 @@ def isect_offset_encode(isect_ids, n_cameras, tile_width, tile_height):
 
 def _smem(tile_size: int, D: int, backward: bool) -> int:
     """Dynamic shared memory of rasterize_fwd / rasterize_bwd (csrc/gaussians_raster.cu)."""
-    per_thread = 16 + 8 + 4 * D + (4 * 16 + 4 if backward else 0)
+    per_thread = 16 + 8 + 4 * D + 4 + (4 * 16 + 4 if backward else 0)  # entry, colour, warp mask (+ sums, id)
     return tile_size * tile_size * per_thread
 
 

@@ -14,26 +14,6 @@
 
 #include "gaussians.cuh"
 
-// Smallest sigma over pixel offsets d = centre - mean in [lx, hx] x [ly, hy] (conic a, b, c > 0).
-// tile_counts and tile_emit must take the same decisions, so everything here is explicitly
-// rounded (gs_sigma too): no FMA contraction that could differ between the two kernels.
-__device__ __forceinline__ float gs_min_sigma(float a, float b, float c, float lx, float hx, float ly, float hy) {
-  if (lx <= 0.f && hx >= 0.f && ly <= 0.f && hy >= 0.f) return 0.f;
-  float best = 3.4e38f;
-  // edges x = const: minimise over y, at y = -b x / c clamped; edges y = const likewise
-  const float xs[2] = {lx, hx}, ys[2] = {ly, hy};
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const float x = xs[e];
-    const float y = fminf(fmaxf(__fdiv_rn(-__fmul_rn(b, x), c), ly), hy);
-    best = fminf(best, gs_sigma(a, b, c, x, y));
-    const float y2 = ys[e];
-    const float x2 = fminf(fmaxf(__fdiv_rn(-__fmul_rn(b, y2), a), lx), hx);
-    best = fminf(best, gs_sigma(a, b, c, x2, y2));
-  }
-  return best;
-}
-
 // The tiles of one Gaussian: its box, and (exact culling) the per-tile test. Calls f(tile id).
 template <typename F>
 __device__ __forceinline__ int gs_for_tiles(long long i, const float* __restrict__ means2d, const int* __restrict__ radii,
@@ -51,8 +31,7 @@ __device__ __forceinline__ int gs_for_tiles(long long i, const float* __restrict
   if (exact) {
     a = conics[3 * i]; b = conics[3 * i + 1]; c = conics[3 * i + 2];
     const float o = opacities[i];
-    // sigma <= ln(255 o) is where alpha can reach 1/255; 0.01 of slack for the blender's rounding
-    tau = logf(fmaxf(o, 1e-30f) / RF_ALPHA_MIN) + 0.01f;
+    tau = gs_reach(o);
     exact = a > 0.f && c > 0.f && a * c - b * b > 0.f;  // else keep the whole box
   }
   int n = 0;
