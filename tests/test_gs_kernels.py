@@ -74,14 +74,11 @@ def test_launch_arguments_match_the_kernel_signatures(monkeypatch):
     """Run the CUDA path's Python on CPU tensors with launches intercepted: each launch's ctypes
     must be its kernel's parameter types in order. tile_counts' stand-in writes one tile per
     Gaussian so that the emit and finish launches happen too."""
-    sources = {name: prog.source.read_text() for name, prog in
-               zip(("project", "tiles", "raster"), _gs_cuda.default_programs())}
     seen = set()
 
     def launch(self, name, grid, block, args, device=None, shared_mem=0):
-        unit = next(k for k, v in _gs_cuda._programs.items() if v is self)
         base = name.split("<")[0]
-        assert [t for _, t in args] == _signature(sources[unit], base), f"{name}: argument types differ"
+        assert [t for _, t in args] == _signature(self.source.read_text(), base), f"{name}: argument types differ"
         assert name in self.name_expressions, f"{name} is not among its program's name expressions"
         seen.add(name)
         if base == "tile_counts":
@@ -93,7 +90,8 @@ def test_launch_arguments_match_the_kernel_signatures(monkeypatch):
     monkeypatch.setattr(kernels.gaussians, "_use_cuda", lambda device: True)
     means, quats, scales, opac, sh = (t.requires_grad_() for t in gaussians(5, seed=0))
     views, Ks = camera(16, 16, 20.0, n=2, spread=0.1)
-    for mode, ts in (("RGB", 16), ("RGB+D", 8), ("D", 32), ("RGB+ED", 16)):
+    for mode, ts, sort in (("RGB", 16, "torch"), ("RGB+D", 8, "radix"), ("D", 32, "torch"), ("RGB+ED", 16, "torch")):
+        monkeypatch.setattr(_gs_cuda, "SORT", sort)
         img, alpha, meta = kernels.rasterization(means, quats, scales, opac, sh, views, Ks, 16, 16, sh_degree=3,
                                                  render_mode=mode, backgrounds=torch.rand(2, 3), tile_size=ts,
                                                  absgrad=True, antialiased=True)
@@ -208,15 +206,33 @@ def _projected(n, seed, n_cams=2, width=W, height=H, log_scale=(-2.6, 0.7), devi
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("M,bits", [(1, 3), (4095, 9), (4096, 14), (123457, 14), (50000, 21), (70000, 31)])
+def test_radix_sort_equals_a_stable_torch_sort(cuda, M, bits):
+    """The binning's own sort (csrc/gaussians_tiles.cu) on keys with many duplicates: same keys and
+    the values in the order a stable sort leaves them (M not a multiple of the 4096 keys a block sorts)."""
+    g = torch.Generator().manual_seed(M)
+    used = min(bits, 12)  # few distinct keys: long runs of equal ones
+    low = torch.randint(0, 2**used, (M,), generator=g) << (bits - used)
+    keys = (low ^ 0x80000000).to(torch.int64).sub(2**32 * (low ^ 0x80000000 >= 2**31)).to(torch.int32)
+    values = torch.arange(M, dtype=torch.int32)
+    got_keys, got_values = _gs_cuda._radix_sort(keys.to(cuda), values.to(cuda), bits)
+    want_keys, perm = torch.sort(keys, stable=True)
+    assert torch.equal(got_keys.cpu(), want_keys) and torch.equal(got_values.cpu(), values[perm])
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("sort", ["torch", "radix"])
 @pytest.mark.parametrize("tile_size", [8, 16, 32])
-def test_intersections_and_offsets_equal_the_twin(cuda, tile_size):
+def test_intersections_and_offsets_equal_the_twin(cuda, tile_size, sort, monkeypatch):
+    monkeypatch.setattr(_gs_cuda, "SORT", sort)
     p, _ = _projected(3000, seed=tile_size)
     tw, th = -(-W // tile_size), -(-H // tile_size)
     for radii in (p.radii, p.radii.amax(-1).contiguous()):  # per axis and square
         want = ref.intersect_tiles_reference(p.means2d, radii, p.depths, tile_size, tw, th)
         got = kernels.intersect_tiles(p.means2d.to(cuda), radii.to(cuda), p.depths.to(cuda), tile_size, tw, th)
         for name, a, b in zip(("tiles_per_gauss", "isect_ids", "flatten_ids"), got, want):
-            assert torch.equal(a.cpu(), b), f"{name} differs from the twin (tile size {tile_size})"
+            assert torch.equal(a.cpu(), b), f"{name} differs from the twin (tile size {tile_size}, {sort} sort)"
         offsets = kernels.isect_offset_encode(got[1], 2, tw, th)
         assert torch.equal(offsets.cpu(), ref.isect_offset_encode_reference(want[1], 2, tw, th))
     none = kernels.intersect_tiles(p.means2d.to(cuda), torch.zeros_like(p.radii).to(cuda), p.depths.to(cuda),
@@ -345,9 +361,10 @@ def _compare_renders(cpu, gpu, what):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("mode", ["RGB", "RGB+ED"])
-def test_rasterization_end_to_end_matches_the_twin(cuda, mode):
+@pytest.mark.parametrize("mode,sort", [("RGB", "torch"), ("RGB+ED", "torch"), ("RGB", "radix")])
+def test_rasterization_end_to_end_matches_the_twin(cuda, mode, sort, monkeypatch):
     """Projection, SH, binning and blending through the public call, several cameras, antialiased."""
+    monkeypatch.setattr(_gs_cuda, "SORT", sort)
     cpu, gpu = _render_both(4000, 120, 90, 3, 7, cuda, render_mode=mode, antialiased=True, absgrad=True)
     _compare_renders(cpu, gpu, mode)
     _close(gpu[2]["means2d"].absgrad, cpu[2]["means2d"].absgrad, 2e-3, 1e-4, "absgrad")
