@@ -40,7 +40,8 @@ __device__ __forceinline__ void gs_load_entry(int g, const float* __restrict__ m
   q = make_float2(conics[3 * (long long)g + 1], conics[3 * (long long)g + 2]);
 }
 
-// alpha of a staged Gaussian at pixel centre (px, py); false when skipped (sigma < 0 or < 1/255).
+// alpha of a staged Gaussian at pixel centre (px, py); false when skipped (sigma < 0, alpha < 1/255,
+// or either NaN: a garbage Gaussian is skipped, as the twin skips it).
 __device__ __forceinline__ bool gs_alpha(const float4& p, const float2& q, float px, float py, float& dx,
                                          float& dy, float& vis, float& alpha) {
   dx = __fsub_rn(p.x, px);
@@ -48,7 +49,7 @@ __device__ __forceinline__ bool gs_alpha(const float4& p, const float2& q, float
   const float sigma = gs_sigma(p.w, q.x, q.y, dx, dy);
   vis = __expf(-sigma);
   alpha = fminf(RF_ALPHA_MAX, __fmul_rn(p.z, vis));
-  return !(sigma < 0.f || alpha < RF_ALPHA_MIN);
+  return sigma >= 0.f && alpha >= RF_ALPHA_MIN;
 }
 
 // Bit w: warp w's rows of the tile (32 / ts rows) hold a pixel centre whose row lies within the
