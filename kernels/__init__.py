@@ -6,7 +6,8 @@ references run instead.
 
 Pieces: ``csrc/*.cu`` (CUDA C++), :mod:`kernels.loader` (NVRTC compile + disk cache, no device
 needed), :mod:`kernels._driver` (module load and launch on PyTorch's stream), one module per op
-(:mod:`kernels.hashgrid`, :mod:`kernels.render`) and the references (:mod:`kernels._reference`).
+(:mod:`kernels.hashgrid`, :mod:`kernels.render`, :mod:`kernels.gaussians` with its CUDA side
+:mod:`kernels._gs_cuda`) and the references (:mod:`kernels._reference`, :mod:`kernels._gs_reference`).
 """
 
 from ._driver import CudaDriverError, KernelProgram, available, unavailable_reason

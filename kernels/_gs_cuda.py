@@ -23,23 +23,32 @@ MAX_CHANNELS = 4  # rasterize kernels exist for 1..4 channels; more go through i
 DEFINES = {"RF_ALPHA_MIN": f"({ALPHA_MIN!r}f)", "RF_ALPHA_MAX": f"({ALPHA_MAX!r}f)",
            "RF_T_MIN": f"({T_MIN!r}f)", "RF_EXTEND": f"({EXTEND!r}f)"}
 _PROJECT = ["check_inputs", "projection_fwd", "projection_bwd", "sh_fwd", "sh_bwd"]
-_TILES = ["tile_counts", "tile_emit", "tile_finish", "tile_offsets"]
-_RASTER = [f"rasterize_{p}<{d}>" for d in range(1, MAX_CHANNELS + 1) for p in ("fwd", "bwd")]
+_TILES = ["tile_counts", "tile_emit", "tile_finish", "tile_offsets", "radix_histogram", "radix_scatter"]
+# How bin_tiles sorts the M camera|tile keys: "torch" (torch.sort, stable, all 32 bits, an int64
+# permutation) or "radix" (csrc/gaussians_tiles.cu: only the key's bits, key/value pairs, 16 bytes
+# per intersection instead of ~32). benchmarks/bench_rasterizer.py measures both.
+SORT = "torch"
+_SORT_ITEMS = 256 * 16  # keys per radix block (kSortItems)
 _programs: dict[str, KernelProgram] = {}
 
 
 def program(name: str) -> KernelProgram:
-    """"project", "tiles" or "raster": the compiled unit (lazily built, cached per process)."""
+    """"project", "tiles" or "raster<D>" (blending of D channels, one unit per D so that a first
+    call compiles only the channel count it renders): the compiled unit, built lazily, cached."""
     prog = _programs.get(name)
     if prog is None:
-        source, names = {"project": ("gaussians_project.cu", _PROJECT), "tiles": ("gaussians_tiles.cu", _TILES),
-                         "raster": ("gaussians_raster.cu", _RASTER)}[name]
+        if name.startswith("raster<"):
+            d = int(name[7:-1])
+            source, names = "gaussians_raster.cu", [f"rasterize_fwd<{d}>", f"rasterize_bwd<{d}>"]
+        else:
+            source, names = {"project": ("gaussians_project.cu", _PROJECT),
+                             "tiles": ("gaussians_tiles.cu", _TILES)}[name]
         prog = _programs.setdefault(name, KernelProgram(source, names, defines=DEFINES))
     return prog
 
 
 def default_programs() -> list[KernelProgram]:
-    return [program("project"), program("tiles"), program("raster")]
+    return [program("project"), program("tiles"), *(program(f"raster<{d}>") for d in range(1, MAX_CHANNELS + 1))]
 
 
 def _p(t: torch.Tensor | None):
@@ -197,12 +206,33 @@ def bin_tiles(means2d, radii, depths, tile_size, tile_width, tile_height, check_
         prog.launch("tile_emit", _blocks(CN), (BLOCK,),
                     [(CN, i64), (N, i32), *box, (tile_bits, i32), _p(order), _p(ends), _p(counts), _p(keys),
                      _p(values)], device=dev)
-        sorted_keys, perm = torch.sort(keys, stable=True)
+        if SORT == "radix":
+            sorted_keys, values = _radix_sort(keys, values, sum(key_bits(C, n_tiles)))
+            perm = None
+        else:
+            sorted_keys, perm = torch.sort(keys, stable=True)
         del keys
         prog.launch("tile_finish", _blocks(M), (BLOCK,),
                     [(M, i64), _p(sorted_keys), _p(perm), _p(values), _p(depths), (tile_bits, i32), (n_tiles, i32),
                      (C * n_tiles, i64), _p(flatten_ids), _p(isect_ids), _p(offsets)], device=dev)
     return (counts.view(C, N), isect_ids, flatten_ids, offsets.view(C, tile_height, tile_width))
+
+
+def _radix_sort(keys, values, bits):
+    """Stable sort of int32 (key, value) pairs by the keys' low ``bits`` bits (ceil(bits / 8) passes)."""
+    M, dev = keys.numel(), keys.device
+    blocks = -(-M // _SORT_ITEMS)
+    prog = program("tiles")
+    hist = torch.empty(256 * blocks, dtype=torch.int32, device=dev)
+    keys_alt, values_alt = torch.empty_like(keys), torch.empty_like(values)
+    for shift in range(0, bits, 8):
+        prog.launch("radix_histogram", (blocks,), (256,), [(M, i64), _p(keys), (shift, i32), _p(hist)], device=dev)
+        offsets = torch.cumsum(hist, 0) - hist  # exclusive, int64
+        prog.launch("radix_scatter", (blocks,), (256,),
+                    [(M, i64), _p(keys), _p(values), (shift, i32), _p(offsets), _p(keys_alt), _p(values_alt)],
+                    device=dev)
+        keys, keys_alt, values, values_alt = keys_alt, keys, values_alt, values
+    return keys, values
 
 
 def intersect_tiles(means2d, radii, depths, tile_size, tile_width, tile_height, check_budget):
@@ -227,12 +257,12 @@ def isect_offset_encode(isect_ids, n_cameras, tile_width, tile_height):
 
 def _smem(tile_size: int, D: int, backward: bool) -> int:
     """Dynamic shared memory of rasterize_fwd / rasterize_bwd (csrc/gaussians_raster.cu)."""
-    per_thread = 16 + 8 + 4 * D + (4 * 16 + 4 if backward else 0)
+    per_thread = 16 + 8 + 4 * D + 4 + (4 * 16 + 4 if backward else 0)  # entry, colour, warp mask (+ sums, id)
     return tile_size * tile_size * per_thread
 
 
 def _raster_launch(name: str, tile_size: int, D: int, backward: bool, grid, args, device) -> None:
-    prog = program("raster")
+    prog = program(f"raster<{D}>")
     nbytes = _smem(tile_size, D, backward)
     if nbytes > 48 * 1024:
         prog.set_max_dynamic_shared(name, nbytes, device)

@@ -148,7 +148,7 @@ def sh_basis(degree: int, dirs: torch.Tensor) -> torch.Tensor:
 
 
 def spherical_harmonics_reference(degree: int, dirs: torch.Tensor, coeffs: torch.Tensor) -> torch.Tensor:
-    """Twin of ``sh_fwd`` (csrc/gaussians_sh.cu); see :func:`kernels.spherical_harmonics`."""
+    """Twin of ``sh_fwd`` / ``sh_bwd`` (csrc/gaussians_project.cu); see :func:`kernels.spherical_harmonics`."""
     nb = (degree + 1) ** 2
     return (sh_basis(degree, dirs)[..., None] * coeffs[..., :nb, :]).sum(-2)
 
@@ -184,7 +184,8 @@ def tile_ranges(means2d: torch.Tensor, radii: torch.Tensor, tile_size: int, tile
 
 
 def intersect_tiles_reference(means2d, radii, depths, tile_size: int, tile_width: int, tile_height: int):
-    """Twin of ``tile_counts`` + ``tile_keys`` + the sort; see :func:`kernels.intersect_tiles`."""
+    """Twin of ``tile_counts``, ``tile_emit``, the sort and ``tile_finish`` (csrc/gaussians_tiles.cu, without
+    the rasterizer's exact culling); see :func:`kernels.intersect_tiles`."""
     C, N = depths.shape
     means2d, depths = means2d.detach(), depths.detach()
     x0, x1, y0, y1 = tile_ranges(means2d, radii, tile_size, tile_width, tile_height)
@@ -202,7 +203,7 @@ def intersect_tiles_reference(means2d, radii, depths, tile_size: int, tile_width
 
 
 def isect_offset_encode_reference(isect_ids, n_cameras: int, tile_width: int, tile_height: int):
-    """Twin of ``tile_offsets``; see :func:`kernels.isect_offset_encode`."""
+    """Twin of ``tile_offsets`` (csrc/gaussians_tiles.cu); see :func:`kernels.isect_offset_encode`."""
     n_tiles = tile_width * tile_height
     _, tile_bits = key_bits(n_cameras, n_tiles)
     hi = isect_ids >> 32
@@ -485,7 +486,8 @@ def _padded(means2d, conics, colors, opacities):
 def rasterize_to_pixels_reference(means2d, conics, colors, opacities, width: int, height: int,
                                   tile_size: int, isect_offsets, flatten_ids, backgrounds=None,
                                   absgrad: bool = False):
-    """Twin of ``rasterize_fwd`` / ``rasterize_bwd``; see :func:`kernels.rasterize_to_pixels`."""
+    """Twin of ``rasterize_fwd`` / ``rasterize_bwd`` (csrc/gaussians_raster.cu); see
+    :func:`kernels.rasterize_to_pixels`."""
     C = isect_offsets.shape[0]
     plan = _plan(means2d.detach(), conics.detach(), opacities.detach(), width, height, tile_size,
                  isect_offsets, flatten_ids)

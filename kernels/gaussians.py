@@ -442,7 +442,9 @@ def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: 
     if proj.compensations is not None:
         opac = opac * proj.compensations
     opac = opac.contiguous()
-    if sh_degree is None:
+    if render_mode in ("D", "ED"):
+        rgb = None  # depth only: no colours to evaluate
+    elif sh_degree is None:
         rgb = colors[None].expand(C, N, sizes["D"])
     else:
         campos = torch.linalg.inv_ex(viewmats).inverse[:, :3, 3]  # [C, 3] camera centres (inv_ex: no sync)

@@ -39,6 +39,19 @@ def _close(got, want, rtol, atol_scale, what):
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
+def _close_image(got, want, what):
+    """Pixels agree to float32 rounding (__expf against exp, sums over a pixel's list), except the
+    rare pixel where one (pixel, Gaussian) pair lands within rounding of alpha = 1/255 (or T of
+    1e-4) and one side skips it: that pixel moves by at most (1/255) |colour - colour behind|, < 0.02
+    here, and such pixels are at most 1e-4 of the image (expected: none or one)."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    diff = (got - want).abs()
+    tight = 2e-5 * max(1.0, float(want.abs().max()))
+    off = int((diff > tight).sum())
+    assert off <= max(2, int(1e-4 * diff.numel())), f"{what}: {off} of {diff.numel()} values differ by > {tight:.1e}"
+    assert float(diff.max()) < 0.02, f"{what}: max |difference| {float(diff.max()):.3g}"
+
+
 # ---------------------------------------------------------------------------- CPU: launch arguments
 
 _C_TYPES = {"long long": ctypes.c_int64, "int": ctypes.c_int32, "float": ctypes.c_float}
@@ -61,14 +74,11 @@ def test_launch_arguments_match_the_kernel_signatures(monkeypatch):
     """Run the CUDA path's Python on CPU tensors with launches intercepted: each launch's ctypes
     must be its kernel's parameter types in order. tile_counts' stand-in writes one tile per
     Gaussian so that the emit and finish launches happen too."""
-    sources = {name: prog.source.read_text() for name, prog in
-               zip(("project", "tiles", "raster"), _gs_cuda.default_programs())}
     seen = set()
 
     def launch(self, name, grid, block, args, device=None, shared_mem=0):
-        unit = next(k for k, v in _gs_cuda._programs.items() if v is self)
         base = name.split("<")[0]
-        assert [t for _, t in args] == _signature(sources[unit], base), f"{name}: argument types differ"
+        assert [t for _, t in args] == _signature(self.source.read_text(), base), f"{name}: argument types differ"
         assert name in self.name_expressions, f"{name} is not among its program's name expressions"
         seen.add(name)
         if base == "tile_counts":
@@ -80,7 +90,8 @@ def test_launch_arguments_match_the_kernel_signatures(monkeypatch):
     monkeypatch.setattr(kernels.gaussians, "_use_cuda", lambda device: True)
     means, quats, scales, opac, sh = (t.requires_grad_() for t in gaussians(5, seed=0))
     views, Ks = camera(16, 16, 20.0, n=2, spread=0.1)
-    for mode, ts in (("RGB", 16), ("RGB+D", 8), ("D", 32), ("RGB+ED", 16)):
+    for mode, ts, sort in (("RGB", 16, "torch"), ("RGB+D", 8, "radix"), ("D", 32, "torch"), ("RGB+ED", 16, "torch")):
+        monkeypatch.setattr(_gs_cuda, "SORT", sort)
         img, alpha, meta = kernels.rasterization(means, quats, scales, opac, sh, views, Ks, 16, 16, sh_degree=3,
                                                  render_mode=mode, backgrounds=torch.rand(2, 3), tile_size=ts,
                                                  absgrad=True, antialiased=True)
@@ -115,6 +126,8 @@ def test_projection_matches_the_twin(cuda, antialiased):
     gpu = [t.to(cuda).requires_grad_() for t in (means, quats, scales)]
     p = kernels.project_gaussians(*gpu, views.to(cuda), Ks.to(cuda), 200, 150, opacities=opac.to(cuda), **kw)
     r = ref.project_gaussians_reference(means, quats, scales, views, Ks, 200, 150, opacities=opac, **kw)
+    d = [t.double().requires_grad_() for t in (means, quats, scales)]
+    r64 = ref.project_gaussians_reference(*d, views.double(), Ks.double(), 200, 150, opacities=opac.double(), **kw)
     radii, want_radii = p.radii.cpu(), r.radii
     # a box half-size is a ceil(): where the float32 value sits within an ulp of an integer the kernel
     # and the twin (other summation order, CUDA's logf / sqrtf) may round to neighbours
@@ -122,7 +135,7 @@ def test_projection_matches_the_twin(cuda, antialiased):
     assert differ.float().mean() <= 2e-3, f"{int(differ.sum())} of {differ.numel()} radii differ"
     seen_by_both = (radii > 0).all(-1) & (want_radii > 0).all(-1)
     assert ((radii - want_radii).abs()[seen_by_both] <= 1).all()
-    both = (radii > 0).all(-1) & (want_radii > 0).all(-1) & ~differ
+    both = (radii > 0).all(-1) & (want_radii > 0).all(-1) & ~differ & (r64.radii == want_radii).all(-1)
     assert 0.3 < both.float().mean() < 0.95, "the scene should have visible and culled Gaussians"
     # culled entries are zeros in the kernel's outputs, as in the twin's
     culled = (radii == 0).all(-1)
@@ -133,7 +146,8 @@ def test_projection_matches_the_twin(cuda, antialiased):
     _close(p.depths.cpu()[both], r.depths[both], 1e-6, 1e-7, "depths")
     _close(p.conics.cpu()[both], r.conics[both], 2e-3, 1e-6, "conics")
     if antialiased:
-        _close(p.compensations.cpu()[both], r.compensations[both], 1e-4, 1e-6, "compensations")
+        # in [0, 1]; det(Sigma2d) without the low-pass cancels more (thin ellipses): 1e-5 absolute
+        _close(p.compensations.cpu()[both], r.compensations[both], 1e-4, 1e-5, "compensations")
     # backward: random cotangents on the entries both keep, against the float64 twin
     g = torch.Generator().manual_seed(3)
     cot = [torch.randn(t.shape, generator=g) * (both[..., None] if t.ndim == 3 else both) for t in
@@ -143,8 +157,6 @@ def test_projection_matches_the_twin(cuda, antialiased):
         cot.append(torch.randn(r.depths.shape, generator=g) * both)
         outs.append(p.compensations)
     got = torch.autograd.grad(sum((o * c.to(cuda)).sum() for o, c in zip(outs, cot)), gpu)
-    d = [t.double().requires_grad_() for t in (means, quats, scales)]
-    r64 = ref.project_gaussians_reference(*d, views.double(), Ks.double(), 200, 150, opacities=opac.double(), **kw)
     outs64 = [r64.means2d, r64.depths, r64.conics] + ([r64.compensations] if antialiased else [])
     want = torch.autograd.grad(sum((o * c.double()).sum() for o, c in zip(outs64, cot)), d)
     # float32 kernel vs float64: the conics' cancellation (above) bounds the relative error, ~2e-3
@@ -174,7 +186,8 @@ def test_spherical_harmonics_match_the_twin(cuda, degree):
     cot = torch.randn(out.shape, generator=g)
     got = torch.autograd.grad((out_b * cot.to(cuda)).sum(), (d, c))
     d64, c64 = dirs.double().requires_grad_(), coeffs.double().requires_grad_()
-    want = torch.autograd.grad((ref.spherical_harmonics_reference(degree, d64, c64) * cot.double()).sum(), (d64, c64))
+    want = torch.autograd.grad((ref.spherical_harmonics_reference(degree, d64, c64) * cot.double()).sum(), (d64, c64),
+                               allow_unused=True, materialize_grads=True)  # degree 0 ignores the directions
     _close(got[0], want[0], 1e-4, 1e-6, "d/ddirs")  # float32 sums of <= 16 terms
     _close(got[1], want[1], 1e-4, 1e-6, "d/dcoeffs")
     assert (got[1][:, (degree + 1) ** 2:] == 0).all()
@@ -193,15 +206,33 @@ def _projected(n, seed, n_cams=2, width=W, height=H, log_scale=(-2.6, 0.7), devi
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("M,bits", [(1, 3), (4095, 9), (4096, 14), (123457, 14), (50000, 21), (70000, 31)])
+def test_radix_sort_equals_a_stable_torch_sort(cuda, M, bits):
+    """The binning's own sort (csrc/gaussians_tiles.cu) on keys with many duplicates: same keys and
+    the values in the order a stable sort leaves them (M not a multiple of the 4096 keys a block sorts)."""
+    g = torch.Generator().manual_seed(M)
+    used = min(bits, 12)  # few distinct keys: long runs of equal ones
+    low = torch.randint(0, 2**used, (M,), generator=g) << (bits - used)
+    keys = (low ^ 0x80000000).to(torch.int64).sub(2**32 * (low ^ 0x80000000 >= 2**31)).to(torch.int32)
+    values = torch.arange(M, dtype=torch.int32)
+    got_keys, got_values = _gs_cuda._radix_sort(keys.to(cuda), values.to(cuda), bits)
+    want_keys, perm = torch.sort(keys, stable=True)
+    assert torch.equal(got_keys.cpu(), want_keys) and torch.equal(got_values.cpu(), values[perm])
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("sort", ["torch", "radix"])
 @pytest.mark.parametrize("tile_size", [8, 16, 32])
-def test_intersections_and_offsets_equal_the_twin(cuda, tile_size):
+def test_intersections_and_offsets_equal_the_twin(cuda, tile_size, sort, monkeypatch):
+    monkeypatch.setattr(_gs_cuda, "SORT", sort)
     p, _ = _projected(3000, seed=tile_size)
     tw, th = -(-W // tile_size), -(-H // tile_size)
     for radii in (p.radii, p.radii.amax(-1).contiguous()):  # per axis and square
         want = ref.intersect_tiles_reference(p.means2d, radii, p.depths, tile_size, tw, th)
         got = kernels.intersect_tiles(p.means2d.to(cuda), radii.to(cuda), p.depths.to(cuda), tile_size, tw, th)
         for name, a, b in zip(("tiles_per_gauss", "isect_ids", "flatten_ids"), got, want):
-            assert torch.equal(a.cpu(), b), f"{name} differs from the twin (tile size {tile_size})"
+            assert torch.equal(a.cpu(), b), f"{name} differs from the twin (tile size {tile_size}, {sort} sort)"
         offsets = kernels.isect_offset_encode(got[1], 2, tw, th)
         assert torch.equal(offsets.cpu(), ref.isect_offset_encode_reference(want[1], 2, tw, th))
     none = kernels.intersect_tiles(p.means2d.to(cuda), torch.zeros_like(p.radii).to(cuda), p.depths.to(cuda),
@@ -273,9 +304,8 @@ def test_blending_matches_the_twin(cuda, tile_size, D, background):
     want_img, want_alpha = ref.rasterize_to_pixels_reference(*cpu_in[:4], W, H, tile_size, offsets, flat,
                                                              bg if background else None)
     assert 0.3 < float(want_alpha.mean()) < 0.97
-    # float32 both; CUDA's __expf differs from exp by ~1e-7 relative, summed over a pixel's list
-    _close(img, want_img, 0, 2e-5, "colours")
-    _close(alpha, want_alpha, 0, 2e-5, "alphas")
+    _close_image(img, want_img, "colours")
+    _close_image(alpha, want_alpha, "alphas")
     cot_img, cot_alpha = torch.randn(img.shape, generator=g), torch.randn(alpha.shape, generator=g)
     got = torch.autograd.grad((img * cot_img.to(cuda)).sum() + (alpha * cot_alpha.to(cuda)).sum(), gpu_in)
     d64 = [t.double().requires_grad_() for t in cpu_in]
@@ -294,16 +324,21 @@ def test_blending_matches_the_twin(cuda, tile_size, D, background):
 
 
 def _render_both(n, width, height, n_cams, seed, cuda, **kw):
+    """Render on the CPU (twins) and on the GPU (kernels) and backpropagate the same loss: random
+    weights on the colours and, for an expected-depth channel (D / alpha, ill-conditioned where
+    alpha is small), on the pixels whose alpha > 0.5."""
     means, quats, scales, opac, sh = gaussians(n, seed=seed, log_scale=(-3.5 - math.log(n / 2000) / 3, 0.6))
     views, Ks = camera(width, height, 0.9 * width, n=n_cams, seed=seed, spread=0.25)
     bg = torch.rand(n_cams, 3, generator=torch.Generator().manual_seed(seed))
-    out = {}
+    out, weights = {}, None
     for dev in ("cpu", cuda):
         params = [t.to(dev).requires_grad_() for t in (means, quats, scales, opac, sh)]
         img, alpha, meta = kernels.rasterization(*params, views.to(dev), Ks.to(dev), width, height, sh_degree=3,
                                                  backgrounds=bg.to(dev), **kw)
-        cot = torch.randn(img.shape, generator=torch.Generator().manual_seed(seed + 1)).to(dev)
-        (img * cot).sum().backward()
+        if weights is None:
+            weights = torch.randn(img.shape, generator=torch.Generator().manual_seed(seed + 1))
+            weights[..., 3:] *= (alpha.detach() > 0.5)
+        (img * weights.to(dev)).sum().backward()
         out[str(dev)] = (img, alpha, meta, [t.grad for t in params])
     return out["cpu"], out[str(cuda)]
 
@@ -314,8 +349,11 @@ def _compare_renders(cpu, gpu, what):
     assert gmeta["n_intersections"] <= meta["n_intersections"]
     assert torch.equal(gmeta["radii"].cpu(), meta["radii"]) or \
         (gmeta["radii"].cpu() != meta["radii"]).float().mean() < 2e-3  # ceil() at an ulp, see projection
-    _close(gimg, img, 0, 5e-5, f"{what}: colours")  # float32 twin and kernels, lists of up to hundreds
-    _close(galpha, alpha, 0, 5e-5, f"{what}: alphas")
+    _close_image(gimg[..., :3], img[..., :3], f"{what}: colours")
+    _close_image(galpha, alpha, f"{what}: alphas")
+    if img.shape[-1] > 3:  # expected depth where it is well conditioned
+        covered = alpha[..., 0] > 0.5
+        _close(gimg[..., 3].cpu()[covered], img[..., 3][covered], 1e-4, 1e-5, f"{what}: expected depth")
     for name, a, b in zip(("means", "quats", "scales", "opacities", "sh"), ggrads, grads):
         _close(a, b, 2e-3, 1e-4, f"{what}: d/d{name}")  # float32 both: see the projection and blending tests
     _close(gmeta["means2d"].grad, meta["means2d"].grad, 2e-3, 1e-4, f"{what}: means2d.grad")
@@ -323,9 +361,10 @@ def _compare_renders(cpu, gpu, what):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("mode", ["RGB", "RGB+ED"])
-def test_rasterization_end_to_end_matches_the_twin(cuda, mode):
+@pytest.mark.parametrize("mode,sort", [("RGB", "torch"), ("RGB+ED", "torch"), ("RGB", "radix")])
+def test_rasterization_end_to_end_matches_the_twin(cuda, mode, sort, monkeypatch):
     """Projection, SH, binning and blending through the public call, several cameras, antialiased."""
+    monkeypatch.setattr(_gs_cuda, "SORT", sort)
     cpu, gpu = _render_both(4000, 120, 90, 3, 7, cuda, render_mode=mode, antialiased=True, absgrad=True)
     _compare_renders(cpu, gpu, mode)
     _close(gpu[2]["means2d"].absgrad, cpu[2]["means2d"].absgrad, 2e-3, 1e-4, "absgrad")
@@ -359,7 +398,7 @@ def test_tiny_scene_gradients_match_float64_twin(cuda):
     offsets, flat = _lists(r, 16, 32, 32)
     img64, _ = ref.rasterize_to_pixels_reference(r.means2d, r.conics, rgb, d64[3][None].expand(1, 6).contiguous(),
                                                  32, 32, 16, offsets, flat)
-    _close(img, img64, 0, 1e-5, "colours")
+    _close_image(img, img64, "colours")
     want = torch.autograd.grad((img64 * cot.double()).sum(), d64)
     for name, a, b in zip(("means", "quats", "scales", "opacities", "sh"), got, want):
         _close(a, b, 1e-3, 1e-5, f"d/d{name}")  # float32 arithmetic of a few dozen pixel terms

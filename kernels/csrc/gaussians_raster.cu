@@ -18,6 +18,10 @@
 //    global atomics per (tile, Gaussian) instead of one per (warp, Gaussian);
 //  * a warp skips a Gaussian no lane of it blends (ballot), and the part of the list beyond the
 //    last Gaussian any of its pixels blended.
+// Both passes stage with each Gaussian a mask of the block's warps whose pixel rows it can reach
+// at alpha >= 1/255 (conservatively: the rows within the ellipse's vertical extent); a warp skips
+// the Gaussians whose bit is clear without evaluating them, which changes nothing but the work:
+// its pixels would all have skipped them.
 
 #include "gaussians.cuh"
 
@@ -36,7 +40,8 @@ __device__ __forceinline__ void gs_load_entry(int g, const float* __restrict__ m
   q = make_float2(conics[3 * (long long)g + 1], conics[3 * (long long)g + 2]);
 }
 
-// alpha of a staged Gaussian at pixel centre (px, py); false when skipped (sigma < 0 or < 1/255).
+// alpha of a staged Gaussian at pixel centre (px, py); false when skipped (sigma < 0, alpha < 1/255,
+// or either NaN: a garbage Gaussian is skipped, as the twin skips it).
 __device__ __forceinline__ bool gs_alpha(const float4& p, const float2& q, float px, float py, float& dx,
                                          float& dy, float& vis, float& alpha) {
   dx = __fsub_rn(p.x, px);
@@ -44,7 +49,28 @@ __device__ __forceinline__ bool gs_alpha(const float4& p, const float2& q, float
   const float sigma = gs_sigma(p.w, q.x, q.y, dx, dy);
   vis = __expf(-sigma);
   alpha = fminf(RF_ALPHA_MAX, __fmul_rn(p.z, vis));
-  return !(sigma < 0.f || alpha < RF_ALPHA_MIN);
+  return sigma >= 0.f && alpha >= RF_ALPHA_MIN;
+}
+
+// Bit w: warp w's rows of the tile (32 / ts rows) hold a pixel centre whose row lies within the
+// vertical extent of the staged Gaussian's alpha >= 1/255 ellipse, p = (x, y, opacity, a), q = (b, c):
+// sigma <= tau bounds |dy| by sqrt(2 tau (Q^-1)_yy) = sqrt(2 tau a / det Q), with 0.1 % + 0.001 px
+// of slack (cheap enough for the staging step: few registers, no division per warp).
+__device__ __forceinline__ unsigned gs_warp_mask(const float4& p, const float2& q, int y0, int ts) {
+  const float a = p.w, b = q.x, c = q.y;
+  const int n_warps = ts * ts / 32, rows = 32 / ts;
+  const unsigned all = n_warps == 32 ? 0xffffffffu : (1u << n_warps) - 1u;
+  const float det = a * c - b * b;
+  if (!(a > 0.f && c > 0.f && det > 0.f)) return all;  // no bound: every warp looks
+  const float tau = gs_reach(p.z);
+  if (!(tau > 0.f)) return 0u;
+  const float ext = sqrtf(2.f * tau * a / det) * 1.001f + 0.001f;
+  // rows whose centre r + 0.5 is within p.y +- ext, relative to the tile's first row
+  const float lo = ceilf(p.y - ext - 0.5f) - (float)y0, hi = floorf(p.y + ext - 0.5f) - (float)y0;
+  if (!(hi >= 0.f && lo <= (float)(ts - 1))) return 0u;
+  const int w0 = (int)fmaxf(lo, 0.f) / rows, w1 = (int)fminf(hi, (float)(ts - 1)) / rows;
+  const unsigned upto = w1 >= 31 ? 0xffffffffu : (2u << w1) - 1u;  // bits 0 .. w1
+  return upto & ~((1u << w0) - 1u) & all;                           // minus bits 0 .. w0 - 1
 }
 
 __device__ __forceinline__ void gs_tile_range(const int* __restrict__ offsets, long long tile_global,
@@ -53,7 +79,7 @@ __device__ __forceinline__ void gs_tile_range(const int* __restrict__ offsets, l
   end = tile_global + 1 < total_tiles ? offsets[tile_global + 1] : M;
 }
 
-// grid (tw, th, C), block (ts, ts), dynamic shared memory blockDim * (6 + D) floats.
+// grid (tw, th, C), block (ts, ts), dynamic shared memory blockDim * (7 + D) * 4 bytes.
 template <int D>
 __global__ void rasterize_fwd(const float* __restrict__ means2d,      // [C*N, 2]
                               const float* __restrict__ conics,       // [C*N, 3]
@@ -72,9 +98,11 @@ __global__ void rasterize_fwd(const float* __restrict__ means2d,      // [C*N, 2
   float4* s_p = smem_fwd;
   float2* s_q = reinterpret_cast<float2*>(s_p + bs);
   float* s_col = reinterpret_cast<float*>(s_q + bs);
+  unsigned* s_mask = reinterpret_cast<unsigned*>(s_col + bs * D);
   const int cam = blockIdx.z, tw = gridDim.x, th = gridDim.y;
   const long long total_tiles = (long long)gridDim.z * tw * th;
-  const int tr = threadIdx.y * blockDim.x + threadIdx.x;
+  const int tr = threadIdx.y * blockDim.x + threadIdx.x, warp = tr >> 5;
+  const int y0 = blockIdx.y * blockDim.y;
   const int px_i = blockIdx.x * blockDim.x + threadIdx.x, py_i = blockIdx.y * blockDim.y + threadIdx.y;
   const bool inside = px_i < width && py_i < height;
   const float px = px_i + 0.5f, py = py_i + 0.5f;
@@ -89,13 +117,19 @@ __global__ void rasterize_fwd(const float* __restrict__ means2d,      // [C*N, 2
     if (__syncthreads_count(done) == bs) break;  // also: the previous batch is no longer read
     if (b0 + tr < end) {
       const int g = flatten_ids[b0 + tr];
-      gs_load_entry(g, means2d, conics, opacities, s_p[tr], s_q[tr]);
+      float4 p;
+      float2 q;
+      gs_load_entry(g, means2d, conics, opacities, p, q);
+      s_p[tr] = p;
+      s_q[tr] = q;
+      s_mask[tr] = gs_warp_mask(p, q, y0, blockDim.x);
 #pragma unroll
       for (int k = 0; k < D; ++k) s_col[tr * D + k] = colors[(long long)g * D + k];
     }
     __syncthreads();
     const int n = min(bs, end - b0);
     for (int t = 0; t < n && !done; ++t) {
+      if (!((s_mask[t] >> warp) & 1u)) continue;  // none of this warp's pixels reaches it
       float dx, dy, vis, alpha;
       if (!gs_alpha(s_p[t], s_q[t], px, py, dx, dy, vis, alpha)) continue;
       const float next = T * (1.f - alpha);
@@ -154,7 +188,7 @@ __device__ __forceinline__ int gs_warp_max(int v) {
 }
 
 // grid (tw, th, C), block (ts, ts) (a multiple of 32 threads), dynamic shared memory
-// blockDim * (7 + D + kValues) * 4 bytes. Gradients are added into zero-initialised buffers.
+// blockDim * (8 + D + kValues) * 4 bytes. Gradients are added into zero-initialised buffers.
 template <int D>
 __global__ void rasterize_bwd(const float* __restrict__ means2d, const float* __restrict__ conics,
                               const float* __restrict__ colors, const float* __restrict__ opacities,
@@ -177,9 +211,11 @@ __global__ void rasterize_bwd(const float* __restrict__ means2d, const float* __
   float* s_col = reinterpret_cast<float*>(s_q + bs);
   float* s_acc = s_col + bs * D;                       // [bs, kValues]
   int* s_id = reinterpret_cast<int*>(s_acc + bs * kValues);
+  unsigned* s_mask = reinterpret_cast<unsigned*>(s_id + bs);
   const int cam = blockIdx.z, tw = gridDim.x, th = gridDim.y;
   const long long total_tiles = (long long)gridDim.z * tw * th;
-  const int tr = threadIdx.y * blockDim.x + threadIdx.x, lane = tr & 31;
+  const int tr = threadIdx.y * blockDim.x + threadIdx.x, lane = tr & 31, warp = tr >> 5;
+  const int y0 = blockIdx.y * blockDim.y;
   const int px_i = blockIdx.x * blockDim.x + threadIdx.x, py_i = blockIdx.y * blockDim.y + threadIdx.y;
   const bool inside = px_i < width && py_i < height;
   const float px = px_i + 0.5f, py = py_i + 0.5f;
@@ -206,7 +242,12 @@ __global__ void rasterize_bwd(const float* __restrict__ means2d, const float* __
     if (tr < n) {
       const int g = flatten_ids[b_end - tr];
       s_id[tr] = g;
-      gs_load_entry(g, means2d, conics, opacities, s_p[tr], s_q[tr]);
+      float4 p;
+      float2 q;
+      gs_load_entry(g, means2d, conics, opacities, p, q);
+      s_p[tr] = p;
+      s_q[tr] = q;
+      s_mask[tr] = gs_warp_mask(p, q, y0, blockDim.x);
 #pragma unroll
       for (int k = 0; k < D; ++k) s_col[tr * D + k] = colors[(long long)g * D + k];
 #pragma unroll
@@ -215,6 +256,7 @@ __global__ void rasterize_bwd(const float* __restrict__ means2d, const float* __
     __syncthreads();
     // entry t is list index b_end - t (back to front); skip those past the warp's last blended one
     for (int t = max(0, b_end - warp_last); t < n; ++t) {
+      if (!((s_mask[t] >> warp) & 1u)) continue;  // none of this warp's pixels reaches it
       float dx, dy, vis, alpha;
       const float4 p = s_p[t];
       const float2 q = s_q[t];

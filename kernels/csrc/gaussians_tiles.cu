@@ -14,26 +14,6 @@
 
 #include "gaussians.cuh"
 
-// Smallest sigma over pixel offsets d = centre - mean in [lx, hx] x [ly, hy] (conic a, b, c > 0).
-// tile_counts and tile_emit must take the same decisions, so everything here is explicitly
-// rounded (gs_sigma too): no FMA contraction that could differ between the two kernels.
-__device__ __forceinline__ float gs_min_sigma(float a, float b, float c, float lx, float hx, float ly, float hy) {
-  if (lx <= 0.f && hx >= 0.f && ly <= 0.f && hy >= 0.f) return 0.f;
-  float best = 3.4e38f;
-  // edges x = const: minimise over y, at y = -b x / c clamped; edges y = const likewise
-  const float xs[2] = {lx, hx}, ys[2] = {ly, hy};
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const float x = xs[e];
-    const float y = fminf(fmaxf(__fdiv_rn(-__fmul_rn(b, x), c), ly), hy);
-    best = fminf(best, gs_sigma(a, b, c, x, y));
-    const float y2 = ys[e];
-    const float x2 = fminf(fmaxf(__fdiv_rn(-__fmul_rn(b, y2), a), lx), hx);
-    best = fminf(best, gs_sigma(a, b, c, x2, y2));
-  }
-  return best;
-}
-
 // The tiles of one Gaussian: its box, and (exact culling) the per-tile test. Calls f(tile id).
 template <typename F>
 __device__ __forceinline__ int gs_for_tiles(long long i, const float* __restrict__ means2d, const int* __restrict__ radii,
@@ -51,8 +31,7 @@ __device__ __forceinline__ int gs_for_tiles(long long i, const float* __restrict
   if (exact) {
     a = conics[3 * i]; b = conics[3 * i + 1]; c = conics[3 * i + 2];
     const float o = opacities[i];
-    // sigma <= ln(255 o) is where alpha can reach 1/255; 0.01 of slack for the blender's rounding
-    tau = logf(fmaxf(o, 1e-30f) / RF_ALPHA_MIN) + 0.01f;
+    tau = gs_reach(o);
     exact = a > 0.f && c > 0.f && a * c - b * b > 0.f;  // else keep the whole box
   }
   int n = 0;
@@ -127,8 +106,9 @@ __device__ __forceinline__ long long gs_tile_index(unsigned hi, int tile_bits, i
 
 // After the stable sort of the keys: flatten_ids, the 64-bit keys and the tile offsets.
 __global__ void tile_finish(long long M, const int* __restrict__ sorted_keys,  // [M]
-                            const long long* __restrict__ perm,                // [M] sort permutation
-                            const int* __restrict__ values,                    // [M] (unsorted)
+                            const long long* __restrict__ perm,                // [M] torch.sort's permutation,
+                                                                               // or nullptr: values sorted too
+                            const int* __restrict__ values,                    // [M]
                             const float* __restrict__ depths,                  // [C*N]
                             int tile_bits, int n_tiles, long long total_tiles,
                             int* __restrict__ flatten_ids,                     // [M]
@@ -137,7 +117,7 @@ __global__ void tile_finish(long long M, const int* __restrict__ sorted_keys,  /
   const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= M) return;
   const unsigned hi = (unsigned)sorted_keys[j] ^ 0x80000000u;
-  const int g = values[perm[j]];
+  const int g = perm != nullptr ? values[perm[j]] : values[j];
   flatten_ids[j] = g;
   isect_ids[j] = (long long)(((unsigned long long)hi << 32) | (unsigned long long)__float_as_uint(depths[g]));
   const long long cur = gs_tile_index(hi, tile_bits, n_tiles);
@@ -154,4 +134,68 @@ __global__ void tile_offsets(long long M, const long long* __restrict__ isect_id
   const long long prev =
       j == 0 ? -1 : gs_tile_index((unsigned)((unsigned long long)isect_ids[j - 1] >> 32), tile_bits, n_tiles);
   gs_fill_offsets(j, M, prev, cur, total_tiles, offsets);
+}
+
+// ---------------------------------------------------------------------------- radix sort
+// A stable LSD radix sort of (key, value) pairs on the low bits of the keys, 8 bits a pass, for
+// the camera | tile keys above (14 bits for one camera at 1080p: two passes, where torch.sort
+// sorts all 32 bits and returns an int64 permutation). Per pass: radix_histogram counts each
+// block's digits, the host scans the digit-major counts, radix_scatter writes each block's keys to
+// their digit's place, in order (each 256-key round ranked with warp matches: stable).
+
+constexpr int kSortThreads = 256, kSortRounds = 16, kSortItems = kSortThreads * kSortRounds;  // keys per block
+
+// hist[d * n_blocks + b] = keys of block b whose digit ((key >> shift) & 255) is d.
+__global__ void radix_histogram(long long M, const int* __restrict__ keys,  // [M]
+                                int shift, int* __restrict__ hist) {        // [256 * n_blocks]
+  __shared__ int s_hist[256];
+  const int tid = threadIdx.x;
+  const long long b = blockIdx.x, nb = gridDim.x;
+  s_hist[tid] = 0;
+  __syncthreads();
+  for (int r = 0; r < kSortRounds; ++r) {
+    const long long i = b * kSortItems + (long long)r * kSortThreads + tid;
+    if (i < M) atomicAdd(&s_hist[((unsigned)keys[i] >> shift) & 255u], 1);
+  }
+  __syncthreads();
+  hist[tid * nb + b] = s_hist[tid];
+}
+
+// offsets: the exclusive scan of radix_histogram's counts (digit-major), so block b's keys of digit
+// d go to offsets[d * n_blocks + b] onwards, in their input order.
+__global__ void radix_scatter(long long M, const int* __restrict__ keys_in, const int* __restrict__ values_in,
+                              int shift, const long long* __restrict__ offsets,  // [256 * n_blocks]
+                              int* __restrict__ keys_out, int* __restrict__ values_out) {
+  __shared__ int s_count[kSortThreads / 32][256];  // per warp and digit, in the current round
+  __shared__ long long s_next[256];                // where the block's next key of each digit goes
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const long long b = blockIdx.x, nb = gridDim.x;
+  s_next[tid] = offsets[tid * nb + b];
+  for (int w = 0; w < kSortThreads / 32; ++w) s_count[w][tid] = 0;
+  __syncthreads();
+  const unsigned before = (1u << lane) - 1u;  // lanes below this one
+  for (int r = 0; r < kSortRounds; ++r) {
+    const long long i = b * kSortItems + (long long)r * kSortThreads + tid;
+    const bool valid = i < M;
+    const int key = valid ? keys_in[i] : 0;
+    const int d = valid ? (int)(((unsigned)key >> shift) & 255u) : 256;  // 256: no key
+    const unsigned same = __match_any_sync(0xffffffffu, d);
+    const int rank = __popc(same & before);
+    if (valid && rank == 0) s_count[warp][d] = __popc(same);
+    __syncthreads();
+    if (valid) {
+      long long pos = s_next[d] + rank;
+      for (int w = 0; w < warp; ++w) pos += s_count[w][d];
+      keys_out[pos] = key;
+      values_out[pos] = values_in[i];
+    }
+    __syncthreads();
+    int sum = 0;  // thread tid advances digit tid by this round's keys and clears its counts
+    for (int w = 0; w < kSortThreads / 32; ++w) {
+      sum += s_count[w][tid];
+      s_count[w][tid] = 0;
+    }
+    s_next[tid] += sum;
+    __syncthreads();
+  }
 }
