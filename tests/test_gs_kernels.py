@@ -332,7 +332,7 @@ def _render_both(n, width, height, n_cams, seed, cuda, **kw):
     bg = torch.rand(n_cams, 3, generator=torch.Generator().manual_seed(seed))
     out, weights = {}, None
     for dev in ("cpu", cuda):
-        params = [t.to(dev).requires_grad_() for t in (means, quats, scales, opac, sh)]
+        params = [t.detach().clone().to(dev).requires_grad_() for t in (means, quats, scales, opac, sh)]  # leaves on both
         img, alpha, meta = kernels.rasterization(*params, views.to(dev), Ks.to(dev), width, height, sh_degree=3,
                                                  backgrounds=bg.to(dev), **kw)
         if weights is None:
