@@ -49,6 +49,7 @@ from .distributed import (
     DistContext, GradReducer, all_gather_objects, all_gather_tensor, broadcast_object, broadcast_tensors_,
     check_replicas, lr_scale, method_buffers, named_state, scale_learning_rates,
 )
+from .guards import StepGuard
 from .nerf.method import NerfMethod
 from .telemetry import MetricsServer, StepTimer, TensorBoardLog
 
@@ -300,6 +301,7 @@ def train(
     bar = tqdm(range(start, params.steps), desc="reconstruct", unit="step", initial=start, total=params.steps,
                disable=not (progress and ctx.is_main), mininterval=2.0)
     prof = StepProfiler(ctx.rank, device)
+    guard = StepGuard()  # skips (and counts) a step whose loss or gradients are not finite
     for step in bar:
         done = step + 1
         prof.at(step)
@@ -322,7 +324,8 @@ def train(
         timer.comm_begin()
         extras = reducer.reduce(1.0 / (M * world), extras)
         timer.comm_end()
-        method.optimizer_step()
+        if guard.check(step, extras, method.parameters()):
+            method.optimizer_step()
         timer.end_step()
         sums += extras.to(sums.device)
         local_acc += samples_acc

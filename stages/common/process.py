@@ -1,0 +1,184 @@
+"""Processes that die with the one that started them, and liveness of a process id.
+
+A stage is started by ``dvc repro`` (through ``$SHELL -c``), by a Prefect task, by torchrun or by
+a person. When that parent is killed outright (SIGKILL, an OOM kill), nothing tells the stage,
+and a trainer left running keeps writing into folders that the rerun then uses too. So:
+
+* :func:`die_with_parent` asks Linux to send this process SIGTERM when its parent dies
+  (``prctl(PR_SET_PDEATHSIG)``), and starts a watchdog thread for what that signal cannot see:
+  a parent that is a ``sh -c`` wrapper (dash forks the command instead of replacing itself, so
+  the stage's parent is the shell, which outlives a killed ``dvc``), and systems without prctl;
+* :func:`preexec_die_with_parent` does the same for a child started with ``subprocess.Popen``
+  (the signal is armed in the child before it runs the command, so there is no gap);
+* ``RAYFORGE_DETACH=1`` turns both off, for a run meant to outlive its shell (``nohup``).
+
+The signal is SIGTERM, not SIGKILL: the stages turn it into a clean stop (temporary folders
+removed, one line said), and torchrun stops its workers on it.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("stages.process")
+
+PR_SET_PDEATHSIG = 1
+SHELLS = frozenset({"sh", "dash", "bash", "zsh", "ksh", "mksh", "busybox"})
+WATCH_INTERVAL_S = 0.5
+GRACE_S = 30.0  # after the SIGTERM, how long the watchdog waits before SIGKILL
+DETACH_ENV = "RAYFORGE_DETACH"
+
+
+def _load_prctl():
+    """libc's ``prctl``, resolved once here: a forked child (``preexec_fn``) must not load libraries."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+
+
+def _prctl_pdeathsig(sig: int) -> bool:
+    return _PRCTL is not None and _PRCTL(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+
+
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` exists on this host and is not a zombie."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return _state(pid) != "Z"
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields of ``/proc/<pid>/stat`` after the command name (index 0 = state), or None."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rfind(")") + 2:].split()
+
+
+def _state(pid: int) -> str | None:
+    f = _stat_fields(pid)
+    return f[0] if f else None
+
+
+def parent_of(pid: int) -> int | None:
+    f = _stat_fields(pid)
+    return int(f[1]) if f else None
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (tells a reused pid apart)."""
+    f = _stat_fields(pid)
+    return int(f[19]) if f else None
+
+
+def _is_shell_wrapper(pid: int) -> bool:
+    """``pid`` runs a shell's ``-c`` (``sh -c 'python -m stages.x ...'``)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return bool(argv) and os.path.basename(argv[0].decode(errors="replace")) in SHELLS and b"-c" in argv[1:]
+
+
+class ParentWatchdog(threading.Thread):
+    """Sends this process SIGTERM (then SIGKILL after :data:`GRACE_S`) when its parent goes,
+    or, when the parent is a ``sh -c`` wrapper, when the wrapper's own parent goes."""
+
+    def __init__(self) -> None:
+        super().__init__(name="rayforge-parent-watchdog", daemon=True)
+        self.parent = os.getppid()
+        self.grandparent = parent_of(self.parent) if _is_shell_wrapper(self.parent) else None
+
+    def orphaned(self) -> bool:
+        if os.getppid() != self.parent:
+            return True
+        return self.grandparent is not None and parent_of(self.parent) not in (self.grandparent, None)
+
+    def run(self) -> None:
+        while not self.orphaned():
+            time.sleep(WATCH_INTERVAL_S)
+        with contextlib.suppress(OSError):
+            os.write(2, f"parent process {self.parent} is gone: stopping (pid {os.getpid()})\n".encode())
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(GRACE_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_watchdog: ParentWatchdog | None = None
+
+
+def die_with_parent() -> None:
+    """Tie this process's life to its parent's (see the module docstring); once per process."""
+    global _watchdog
+    if os.environ.get(DETACH_ENV) == "1" or _watchdog is not None:
+        return
+    _prctl_pdeathsig(signal.SIGTERM)
+    _watchdog = ParentWatchdog()
+    _watchdog.start()
+
+
+def preexec_die_with_parent() -> None:
+    """``Popen(preexec_fn=...)``: the child gets SIGTERM when the thread that started it dies.
+    Start such children from the main thread (a worker thread's end would count as a death)."""
+    if os.environ.get(DETACH_ENV) != "1":
+        _prctl_pdeathsig(signal.SIGTERM)
+
+
+# ---------------------------------------------------------------- a reaper for a child we cannot arm
+
+
+def reap_when_gone(target: int) -> "subprocess.Popen[bytes]":
+    """Start a small process that stops ``target`` (SIGTERM, then SIGKILL) when this process dies.
+
+    For a child another library started (so no ``preexec_fn`` of ours could arm it), such as
+    Prefect's temporary server. Stop the reaper (``terminate()``) once the target is stopped.
+    """
+    import subprocess
+
+    st = start_time(target)
+    cmd = [sys.executable, os.path.abspath(__file__), "--reap", str(os.getpid()), str(target), str(st or 0)]
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True)
+
+
+def _reap(parent: int, target: int, started: int) -> None:
+    def stop(*_: object) -> None:
+        if pid_alive(target) and (not started or start_time(target) == started):  # not a reused pid
+            os.kill(target, signal.SIGTERM)
+            for _ in range(50):
+                if not pid_alive(target):
+                    break
+                time.sleep(0.1)
+            else:
+                os.kill(target, signal.SIGKILL)
+        os._exit(0)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which stops the target itself
+    signal.signal(signal.SIGTERM, stop)
+    _prctl_pdeathsig(signal.SIGTERM)
+    while os.getppid() == parent and pid_alive(target):
+        time.sleep(WATCH_INTERVAL_S)
+    stop()
+
+
+if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "--reap":
+    _reap(*map(int, sys.argv[2:]))
