@@ -97,18 +97,25 @@ def disk_full_message(exc: OSError) -> str:
             "there (or write the outs to another disk) and rerun")
 
 
+OOM_MARKERS = ("CUDA out of memory", "CUDA_ERROR_OUT_OF_MEMORY", "CUBLAS_STATUS_ALLOC_FAILED",
+               "DefaultCPUAllocator: can't allocate memory")
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
+    """A GPU (``torch.OutOfMemoryError``, a CUDA/cuBLAS allocation error) or CPU allocation failure."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(exc, getattr(torch, "OutOfMemoryError", ())):
         return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(
-        s in text for s in ("CUDA out of memory", "CUDA_ERROR_OUT_OF_MEMORY", "CUBLAS_STATUS_ALLOC_FAILED"))
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in OOM_MARKERS)
 
 
 def out_of_memory_message(exc: BaseException, advice: str | None) -> str:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return f"out of GPU memory ({first})" + (f"; {advice}" if advice else "")
+    """``out of GPU memory (<what PyTorch said, shortened>); <advice>`` (``out of memory`` on the CPU)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    where = "memory" if "CPUAllocator" in text else "GPU memory"
+    text = text[text.index("DefaultCPUAllocator"):] if "DefaultCPUAllocator" in text else text
+    short = text if len(text) <= 160 else text[:157] + "..."
+    return f"out of {where} ({short})" + (f"; {advice}" if advice else "")
 
 
 def run_stage(stage: str, body: Callable[[], int | None], *, interrupted: Callable[[], str] | None = None,

@@ -144,41 +144,63 @@ def preexec_die_with_parent() -> None:
         _prctl_pdeathsig(signal.SIGTERM)
 
 
-# ---------------------------------------------------------------- a reaper for a child we cannot arm
+# ---------------------------------------------------------------- a reaper for children we cannot arm
 
 
-def reap_when_gone(target: int) -> "subprocess.Popen[bytes]":
-    """Start a small process that stops ``target`` (SIGTERM, then SIGKILL) when this process dies.
+def children_of(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and parent_of(int(entry.name)) == pid:
+            found.append(int(entry.name))
+    return found
 
-    For a child another library started (so no ``preexec_fn`` of ours could arm it), such as
-    Prefect's temporary server. Stop the reaper (``terminate()``) once the target is stopped.
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def reap_children_when_gone(marker: str) -> "subprocess.Popen[bytes]":
+    """Start a small process that, when this one dies, stops its children whose command line holds ``marker``.
+
+    For children another library starts (no ``preexec_fn`` of ours can arm them), such as Prefect's
+    temporary server. Start it before they are, and ``terminate()`` it once they are stopped.
     """
     import subprocess
 
-    st = start_time(target)
-    cmd = [sys.executable, os.path.abspath(__file__), "--reap", str(os.getpid()), str(target), str(st or 0)]
+    cmd = [sys.executable, os.path.abspath(__file__), "--reap-children", str(os.getpid()), marker]
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True)
 
 
-def _reap(parent: int, target: int, started: int) -> None:
+def _reap(parent: int, marker: str) -> None:
+    seen: dict[int, int | None] = {}  # child pid -> its start time (a reused pid is not ours)
+
     def stop(*_: object) -> None:
-        if pid_alive(target) and (not started or start_time(target) == started):  # not a reused pid
-            os.kill(target, signal.SIGTERM)
-            for _ in range(50):
-                if not pid_alive(target):
-                    break
-                time.sleep(0.1)
-            else:
-                os.kill(target, signal.SIGKILL)
+        mine = [p for p, st in seen.items() if pid_alive(p) and start_time(p) == st]
+        for p in mine:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(pid_alive(p) for p in mine):
+            time.sleep(0.1)
+        for p in mine:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
         os._exit(0)
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which stops the target itself
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     signal.signal(signal.SIGTERM, stop)
     _prctl_pdeathsig(signal.SIGTERM)
-    while os.getppid() == parent and pid_alive(target):
-        time.sleep(WATCH_INTERVAL_S)
+    while os.getppid() == parent:
+        for c in children_of(parent):
+            if c not in seen and c != os.getpid() and marker.encode() in _cmdline(c):  # not this reaper itself
+                seen[c] = start_time(c)
+        time.sleep(0.2)
     stop()
 
 
-if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "--reap":
-    _reap(*map(int, sys.argv[2:]))
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--reap-children":
+    _reap(int(sys.argv[2]), sys.argv[3])

@@ -36,7 +36,7 @@ class StepGuard:
         global _current
         self.max_consecutive = max_consecutive
         self.step: int | None = None  # the last step checked (0-based), for the interrupt line
-        self.skipped: list[int] = []
+        self.skipped: list[int] = []  # step numbers (1-based, as the training curve counts them)
         self._run = 0
         _current = self
 
@@ -63,7 +63,7 @@ class StepGuard:
         bad = sum(1 for g in grads if g.numel() and not bool(torch.isfinite(torch.stack([g.amax(), g.amin()])).all()))
         for p in params:
             p.grad = None
-        self.skipped.append(step)
+        self.skipped.append(step + 1)
         self._run += 1
         what = ", ".join(x for x in ((f"loss {probes[0].tolist()}" if bad_loss else ""),
                                      (f"gradients of {bad} of {len(grads)} parameter tensors" if bad else "")) if x)
@@ -122,6 +122,7 @@ def oom_advice(params: dict) -> str:
         return "" if v is None else f" (now {v})"
 
     size = ing.get("max_size")
-    return (f"lower reconstruct.batch_rays{now(rec.get('batch_rays'))}, the image resolution "
-            f"(ingest.max_size{now('0 = full size' if size == 0 else size)}) or, for 3DGS, the Gaussian budget "
-            f"reconstruct.gs.max_gaussians{now(gs.get('max_gaussians'))}; or train on a GPU with more memory")
+    shown = "" if size is None else ", now 0: the photos' size" if size == 0 else f", now {size}"
+    return (f"lower reconstruct.batch_rays{now(rec.get('batch_rays'))}, the image resolution (ingest.max_size{shown}) "
+            f"or, for 3DGS, the Gaussian budget reconstruct.gs.max_gaussians{now(gs.get('max_gaussians'))}; or train "
+            "on a GPU with more memory")

@@ -118,7 +118,19 @@ def render(cases: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ---------------------------------------------------------------- shared scenes
+# ---------------------------------------------------------------- shared set-up
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """The in-process runs use tiny tensors: on a shared 2-core machine extra threads only contend."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ import socket
 import stat
 import struct
 import subprocess
-import sys
 import zlib
 
 import numpy as np

@@ -8,7 +8,6 @@ workers under torchrun is SIGKILLed, which must take torchrun and both workers w
 """
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import signal
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from _faults import ROOT, descendants, env, kill_all, spawn, stage, wait_for, wait_gone, write_params
+from _faults import descendants, kill_all, spawn, stage, wait_for, wait_gone, write_params
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process trees read from /proc")
 

@@ -4,21 +4,12 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 from _faults import write_params
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def test_checkpoint_of_another_scene_is_refused(tiny_poses, other_poses, tmp_path, reliability, capsys, one_thread):
+def test_checkpoint_of_another_scene_is_refused(tiny_poses, other_poses, tmp_path, reliability, capsys):
     from stages.common.fingerprint import data_fingerprint, short
     from stages.common.params import load_section
     from stages.reconstruct import ReconstructParams
