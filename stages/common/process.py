@@ -8,8 +8,9 @@ and a trainer left running keeps writing into folders that the rerun then uses t
   (``prctl(PR_SET_PDEATHSIG)``), and starts a watchdog thread for what that signal cannot see:
   a parent that is a ``sh -c`` wrapper (dash forks the command instead of replacing itself, so
   the stage's parent is the shell, which outlives a killed ``dvc``), and systems without prctl;
-* :func:`preexec_die_with_parent` does the same for a child started with ``subprocess.Popen``
-  (the signal is armed in the child before it runs the command, so there is no gap);
+* :func:`tied` wraps a command so that the child is armed the same way before it runs (a shim
+  arms the signal, then ``exec``s the command, which keeps it);
+* :func:`reap_children_when_gone` starts a reaper for children another library starts;
 * ``RAYFORGE_DETACH=1`` turns both off, for a run meant to outlive its shell (``nohup``).
 
 The signal is SIGTERM, not SIGKILL: the stages turn it into a clean stop (temporary folders
@@ -19,25 +20,24 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-log = logging.getLogger("stages.process")
-
 PR_SET_PDEATHSIG = 1
 SHELLS = frozenset({"sh", "dash", "bash", "zsh", "ksh", "mksh", "busybox"})
 WATCH_INTERVAL_S = 0.5
+REAP_INTERVAL_S = 0.5
 GRACE_S = 30.0  # after the SIGTERM, how long the watchdog waits before SIGKILL
 DETACH_ENV = "RAYFORGE_DETACH"
 
 
 def _load_prctl():
-    """libc's ``prctl``, resolved once here: a forked child (``preexec_fn``) must not load libraries."""
+    """libc's ``prctl``, resolved once at import (None where there is none)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -118,7 +118,8 @@ class ParentWatchdog(threading.Thread):
         while not self.orphaned():
             time.sleep(WATCH_INTERVAL_S)
         with contextlib.suppress(OSError):
-            os.write(2, f"parent process {self.parent} is gone: stopping (pid {os.getpid()})\n".encode())
+            os.write(2, f"the process that started this one (pid {os.getpid()}, parent {self.parent}) is gone: "
+                        "stopping\n".encode())
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(GRACE_S)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -137,23 +138,38 @@ def die_with_parent() -> None:
     _watchdog.start()
 
 
-def preexec_die_with_parent() -> None:
-    """``Popen(preexec_fn=...)``: the child gets SIGTERM when the thread that started it dies.
-    Start such children from the main thread (a worker thread's end would count as a death)."""
-    if os.environ.get(DETACH_ENV) != "1":
-        _prctl_pdeathsig(signal.SIGTERM)
+def tied(cmd: list[str]) -> list[str]:
+    """``cmd`` run so that it gets SIGTERM when this process (the thread that starts it) dies.
+
+    The child arms PR_SET_PDEATHSIG in a small Python shim and then ``exec``s ``cmd``, which
+    keeps the setting; no ``preexec_fn`` runs in a forked copy of this multi-threaded process.
+    Start it from the main thread: a worker thread's end would count as the parent's death.
+    """
+    if os.environ.get(DETACH_ENV) == "1":
+        return list(cmd)
+    return [sys.executable, os.path.abspath(__file__), "--exec-tied", str(os.getpid()), *cmd]
+
+
+def _exec_tied(parent: int, cmd: list[str]) -> None:
+    _prctl_pdeathsig(signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        sys.exit(1)
+    os.execvp(cmd[0], cmd)
 
 
 # ---------------------------------------------------------------- a reaper for children we cannot arm
 
 
 def children_of(pid: int) -> list[int]:
-    """The pids whose parent is ``pid`` (from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and parent_of(int(entry.name)) == pid:
-            found.append(int(entry.name))
-    return found
+    """The pids whose parent is ``pid`` (``/proc/<pid>/task/*/children``, else a scan of /proc)."""
+    tasks = list(Path(f"/proc/{pid}/task").glob("*/children"))
+    if tasks:
+        found = []
+        for t in tasks:
+            with contextlib.suppress(OSError):
+                found += [int(c) for c in t.read_text().split()]
+        return found
+    return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and parent_of(int(e.name)) == pid]
 
 
 def _cmdline(pid: int) -> bytes:
@@ -163,14 +179,12 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def reap_children_when_gone(marker: str) -> "subprocess.Popen[bytes]":
+def reap_children_when_gone(marker: str) -> subprocess.Popen:
     """Start a small process that, when this one dies, stops its children whose command line holds ``marker``.
 
     For children another library starts (no ``preexec_fn`` of ours can arm them), such as Prefect's
     temporary server. Start it before they are, and ``terminate()`` it once they are stopped.
     """
-    import subprocess
-
     cmd = [sys.executable, os.path.abspath(__file__), "--reap-children", str(os.getpid()), marker]
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True)
 
@@ -198,9 +212,12 @@ def _reap(parent: int, marker: str) -> None:
         for c in children_of(parent):
             if c not in seen and c != os.getpid() and marker.encode() in _cmdline(c):  # not this reaper itself
                 seen[c] = start_time(c)
-        time.sleep(0.2)
+        time.sleep(REAP_INTERVAL_S)
     stop()
 
 
-if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--reap-children":
-    _reap(int(sys.argv[2]), sys.argv[3])
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--reap-children":
+        _reap(int(sys.argv[2]), sys.argv[3])
+    elif len(sys.argv) > 3 and sys.argv[1] == "--exec-tied":
+        _exec_tied(int(sys.argv[2]), sys.argv[3:])

@@ -144,19 +144,18 @@ def _run(params, poses_dir, out_dir, metrics_path, plots_path, seed, progress, c
 
         tb_dir = Path(str(Path(out_dir)) + ".tb")
         tb = TensorBoardLog(tb_dir)
+    ok = False
     try:
         result = train(params, scene, device, seed, progress=progress, ctx=ctx, checkpoints=store, metrics=metrics,
                        tensorboard=tb)
-    except BaseException:
-        if tb is not None:
-            tb.close()
-            shutil.rmtree(tb_dir, ignore_errors=True)  # a rerun writes the scalars again from its checkpoint
-        raise
+        ok = True
     finally:
         if metrics is not None:
             metrics.close()
         if tb is not None:
             tb.close()
+            if not ok:  # failed or interrupted: no <out>.tb/ left; a rerun writes the scalars from its checkpoint on
+                shutil.rmtree(tb_dir, ignore_errors=True)
     method = result.method
     config = to_dict(params)
     comm = result.step_comm_s

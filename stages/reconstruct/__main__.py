@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from contextlib import nullcontext
 from pathlib import Path
 
 from stages.common import log as logsetup
@@ -116,7 +117,9 @@ def _main(args: argparse.Namespace, log, seen: dict) -> int:
     for name in ("transforms.json", "split.json"):
         if not (poses / name).is_file():
             raise ValueError(f"{poses}: missing {name}; run the poses stage first")
-    with claim(args.poses, args.out, args.metrics, args.plots, ckpt_dir) as locks:
+    # one host: this launcher locks the out for its workers; several: rank 0's worker does (run())
+    claimed = claim(args.poses, args.out, args.metrics, args.plots, ckpt_dir) if p.nodes == 1 else nullcontext([])
+    with claimed as locks:
         if params.distributed.checkpoint_every and args.node_rank in (None, 0):
             # a checkpoint of another run or scene fails here, before any worker starts
             fp = {"fingerprint": data_fingerprint(poses), "poses": str(poses)}

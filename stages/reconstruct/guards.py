@@ -54,13 +54,14 @@ class StepGuard:
         self.step = step
         params = list(params)
         grads = [p.grad for p in params if p.grad is not None]
-        probes = [loss.detach().float().reshape(-1)]
-        probes += [torch.stack([g.amax(), g.amin()]).float() for g in grads if g.numel()]
-        if bool(torch.isfinite(torch.cat([t.to(probes[0].device) for t in probes])).all()):  # host sync
+        probes = [loss.detach().float().reshape(-1)]  # NaN propagates into min and max, +-Inf shows in one
+        probes += [torch.stack(torch.aminmax(g)).float() for g in grads if g.numel()]  # one pass per gradient
+        finite = torch.isfinite(torch.cat([t.to(probes[0].device) for t in probes]))
+        if bool(finite.all()):  # the host sync
             self._run = 0
             return True
-        bad_loss = not bool(torch.isfinite(probes[0]).all())
-        bad = sum(1 for g in grads if g.numel() and not bool(torch.isfinite(torch.stack([g.amax(), g.amin()])).all()))
+        bad_loss = not bool(finite[:probes[0].numel()].all())
+        bad = sum(1 for t in probes[1:] if not bool(torch.isfinite(t).all()))
         for p in params:
             p.grad = None
         self.skipped.append(step + 1)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from stages.common.process import preexec_die_with_parent
+from stages.common.process import tied
 
 from .config import ReconstructParams
 
@@ -143,8 +143,7 @@ def run_torchrun(cmd: list[str], params: ReconstructParams, log=None, pass_fds: 
     """
     if log is not None:
         log.info("launching: %s", shlex.join(cmd))
-    proc = subprocess.Popen(cmd, env=child_env(), stderr=subprocess.PIPE, pass_fds=tuple(pass_fds),
-                            preexec_fn=preexec_die_with_parent)
+    proc = subprocess.Popen(tied(cmd), env=child_env(), stderr=subprocess.PIPE, pass_fds=tuple(pass_fds))
     tail = bytearray()
     got: list[int] = []  # signals passed on to torchrun
 

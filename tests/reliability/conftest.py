@@ -13,6 +13,7 @@ Shared fixtures: ``tiny_poses`` / ``other_poses`` (two small generated scenes, n
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -47,10 +48,13 @@ def pytest_deselected(items: list[pytest.Item]) -> None:
 def reliability(request: pytest.FixtureRequest):
     """``record(area, case, expected, observed)``: one row of the table (several per test are fine)."""
     rows = request.node.__dict__.setdefault("_reliability_rows", [])
+    base = request.getfixturevalue("tmp_path_factory").getbasetemp()
+    temp = re.compile("|".join(re.escape(str(b)) + r"/[^/\s]+" for b in {base, base.resolve()}))
 
     def record(area: str, case: str, expected: str, observed: str) -> None:
         assert area in AREAS, area
-        rows.append({"area": area, "case": case, "expected": expected, "observed": observed})
+        rows.append({"area": area, "case": temp.sub("<tmp>", case), "expected": expected,
+                     "observed": temp.sub("<tmp>", observed)})
 
     return record
 
