@@ -93,8 +93,8 @@ def disk_full_message(exc: OSError) -> str:
     except OSError:
         disk = "its disk"
     what = "disk quota exceeded" if exc.errno == errno.EDQUOT else "no space left"
-    return (f"{what} on {disk}, while writing {path}; the earlier outs and checkpoints are intact: free space "
-            "there (or write the outs to another disk) and rerun")
+    return (f"{what} on {disk}, while writing {path}; nothing half-written is left and earlier checkpoints are "
+            "kept: free space there (or write the outs to another disk) and rerun")
 
 
 OOM_MARKERS = ("CUDA out of memory", "CUDA_ERROR_OUT_OF_MEMORY", "CUBLAS_STATUS_ALLOC_FAILED",

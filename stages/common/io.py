@@ -365,6 +365,9 @@ def atomic_dir(path: PathLike, inputs: Mapping[str, PathLike | None] | None = No
         try:
             yield tmp
             os.replace(tmp, path)
+        except OSError as exc:  # a full disk while the outs were written: say which out
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise _name_the_file(exc, path) from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

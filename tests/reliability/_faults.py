@@ -117,6 +117,14 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
+def sigkill_root(proc: subprocess.Popen, timeout: float) -> tuple[list[int], list[int]]:
+    """SIGKILL ``proc`` alone: (its descendants at that moment, those still alive ``timeout`` s later)."""
+    tree = descendants(proc.pid)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return tree, wait_gone(tree, timeout)
+
+
 def kill_all(pids: list[int]) -> None:
     for p in pids:
         with contextlib.suppress(ProcessLookupError):

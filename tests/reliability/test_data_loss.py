@@ -25,7 +25,7 @@ def sandbox(tmp_path, tiny_poses):
     for i in range(3):
         Image.fromarray(rng.integers(0, 256, (24, 32, 3), dtype=np.uint8)).save(photos / f"p{i}.png")
     (root / "shoot" / "notes.txt").write_text("a file beside the photos")
-    shutil.copytree(tiny_poses, root / "poses")
+    shutil.copytree(tiny_poses, root / "scenes" / "poses")
     (root / "model").mkdir()
     (root / "model" / "summary.json").write_text("{}")
     (root / "evaluate").mkdir()
@@ -41,7 +41,8 @@ def sandbox(tmp_path, tiny_poses):
 def _cases(r: Path) -> list[tuple[str, str, list[str]]]:
     """(case, stage module, argv): every stage's outs pointed at its inputs."""
     p = str(r / "params.yaml")
-    photos, ing, poses, model, ev = (str(r / x) for x in ("shoot/photos", "ingest", "poses", "model", "evaluate"))
+    photos, ing, poses, model, ev = (str(r / x) for x in ("shoot/photos", "ingest", "scenes/poses", "model",
+                                                          "evaluate"))
     return [
         ("ingest --out = --photos", "ingest", ["--photos", photos, "--out", photos, "--params", p]),
         ("ingest --out = the folder above the photos (a file beside them)", "ingest",
@@ -62,15 +63,17 @@ def _cases(r: Path) -> list[tuple[str, str, list[str]]]:
          ["--poses", poses, "--out", str(r / "rec"), "--metrics", poses + "/transforms.json", "--params", p]),
         ("evaluate --out = --model", "evaluate", ["--poses", poses, "--model", model, "--out", model,
                                                   "--metrics", str(r / "e.json"), "--params", p]),
-        ("evaluate --out = the project folder above the poses", "evaluate",
-         ["--poses", poses, "--model", model, "--out", str(r), "--metrics", str(r / "e.json"), "--params", p]),
+        ("evaluate --out = the folder above the poses", "evaluate",
+         ["--poses", poses, "--model", model, "--out", str(r / "scenes"), "--metrics", str(r / "e.json"),
+          "--params", p]),
         ("evaluate --metrics = poses/split.json", "evaluate",
          ["--poses", poses, "--model", model, "--out", str(r / "ev2"), "--metrics", poses + "/split.json",
           "--params", p]),
         ("report --out = --evaluate", "report", ["--evaluate", ev, "--metrics-dir", str(r / "metrics"), "--plots",
                                                  str(r / "t.csv"), "--poses", poses, "--out", ev, "--params", p]),
         ("scene --out . (the working directory)", "scene", ["--out", ".", "--params", p]),
-        ("compare --out = --repo", "compare", ["--out", str(r), "--repo", str(r), "--from-json", str(r / "x.json")]),
+        ("compare --out = --repo", "compare", ["--out", str(r / "repo"), "--repo", str(r / "repo"), "--from-json",
+                                               str(r / "x.json")]),
     ]
 
 
@@ -79,7 +82,8 @@ def test_every_stage_refuses_outs_that_overlap_its_inputs(sandbox, reliability, 
 
     (sandbox / "link").symlink_to(sandbox / "shoot" / "photos")
     (sandbox / "x.json").write_text("{}")
-    (sandbox / "dvc.yaml").write_text("stages: {}\n")
+    (sandbox / "repo").mkdir()
+    (sandbox / "repo" / "dvc.yaml").write_text("stages: {}\n")
     monkeypatch.chdir(sandbox)
     before = tree_digest(sandbox)
     for case, module, argv in _cases(sandbox):
@@ -90,7 +94,7 @@ def test_every_stage_refuses_outs_that_overlap_its_inputs(sandbox, reliability, 
         assert rc == 1 and "would delete" in line, (case, rc, err[-2000:])
         assert tree_digest(sandbox) == before, case  # every input byte for byte, the file beside the photos too
         reliability(AREA, case, "refused before anything is touched; inputs intact",
-                    f"exit 1: {line.split('error: ', 1)[-1][:150]}...; all {len(before)} files intact")
+                    f"all {len(before)} files intact; exit 1: {line.split('error: ', 1)[-1]}")
 
 
 def test_atomic_dir_and_remove_refuse_an_input_for_every_caller(tmp_path, reliability):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from _faults import children, kill_all, spawn, stage, temporaries, wait_for, wait_gone
+from _faults import children, descendants, kill_all, spawn, stage, temporaries, wait_for, wait_gone
 
 AREA = "leftovers"
 
@@ -55,7 +55,8 @@ def test_killed_ingest_leaves_no_temporary_folder_for_good(tmp_path, reliability
     assert temporaries(out.parent) == [alive.name]
     reliability(AREA, "ingest SIGKILLed half-way through 80 photos, then run again",
                 "the next run removes the dead process's temporary folder",
-                f"{tmps[0].name.rsplit('-', 1)[0]}-… left by the kill, removed by the rerun; a live pid's kept")
+                ".ingest.tmp-<host>-<its pid>-<random> left by the kill, removed by the rerun (logged); a live "
+                "process's temporary kept")
 
 
 PIPE_PARAMS = "seed: 0\nreconstruct:\n  method: nerf\n"
@@ -92,6 +93,6 @@ def test_killed_prefect_flow_stops_its_temporary_server(tmp_path, reliability):
         left = wait_gone([server], 30)
         assert not left, f"the temporary Prefect server {server} outlived the SIGKILLed flow"
     finally:
-        kill_all([proc.pid] + ([server] if server else []))
+        kill_all(descendants(proc.pid) + [proc.pid] + ([server] if server else []))
     reliability(AREA, "`python -m flows.pipeline` SIGKILLed while its temporary Prefect server starts",
                 "the server stops too", "server (uvicorn) gone within seconds")

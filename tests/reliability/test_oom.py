@@ -11,7 +11,7 @@ import torch
 
 from _faults import ROOT, env, stage, write_params
 
-AREA = "fault: out of GPU memory"
+AREA = "fault: out of memory"
 ADVICE = ("reconstruct.batch_rays", "ingest.max_size", "reconstruct.gs.max_gaussians")
 
 
@@ -31,8 +31,7 @@ def test_out_of_memory_names_the_params_to_lower_cpu(tiny_poses, tmp_path, relia
     assert all(k in line for k in ADVICE) and "(now 1073741824)" in line, line
     reliability(AREA, "CPU: batch_rays 2^30 under a 6 GiB address-space limit (the message's code path)",
                 "exit 1, one line naming batch_rays, ingest.max_size, reconstruct.gs.max_gaussians",
-                f"exit 1: {line[len('reconstruct: error: '):][:60]}... lower reconstruct.batch_rays (now 1073741824), "
-                "the image resolution (ingest.max_size...), ...gs.max_gaussians")
+                f"exit 1: {line[len('reconstruct: error: '):]}")
 
 
 @pytest.mark.gpu
@@ -59,4 +58,4 @@ def test_cuda_out_of_memory_names_the_params_to_lower(tiny_poses, tmp_path, caps
     assert "Traceback" not in err and not (tmp_path / "out").exists()
     reliability(AREA, "CUDA: 256 MiB memory fraction, 2^22 rays a step",
                 "exit 1, one line naming batch_rays, ingest.max_size, reconstruct.gs.max_gaussians",
-                f"exit 1: {line[len('reconstruct: error: '):][:140]}...")
+                f"exit 1: {line[len('reconstruct: error: '):]}")

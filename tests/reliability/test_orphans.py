@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from _faults import descendants, kill_all, spawn, stage, wait_for, wait_gone, write_params
+from _faults import descendants, kill_all, sigkill_root, spawn, stage, wait_for, wait_gone, write_params
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process trees read from /proc")
 
@@ -68,7 +68,7 @@ def test_killed_parent_takes_the_trainer_with_it_and_the_lock_stops_a_second_wri
         reliability("orphans and locks", "a second `python -m stages.reconstruct` on an out being trained",
                     "fails at once naming the holder's pid", "exit 1 at once (under 10 s): "
                     + re.sub(r"pid \d+ on \S+", "pid <trainer's> on <host>",
-                             err.strip().splitlines()[-1].split("error: ")[-1])[:110] + "...")
+                             err.strip().splitlines()[-1].split("error: ")[-1]))
 
         for how, proc in parents.items():
             proc.send_signal(signal.SIGKILL)
@@ -81,7 +81,8 @@ def test_killed_parent_takes_the_trainer_with_it_and_the_lock_stops_a_second_wri
         log = (tmp_path / "sh.log").read_text()
         assert "reconstruct: interrupted" in log and "Traceback" not in log, log[-2000:]
     finally:
-        kill_all([p.pid for p in parents.values()] + list(trainers.values()))
+        kill_all([d for p in parents.values() for d in descendants(p.pid)] + [p.pid for p in parents.values()]
+                 + list(trainers.values()))
     reliability("orphans and locks", "parent of `sh -c 'python -m stages.reconstruct ...'` SIGKILLed (dash forks)",
                 "the trainer stops (watchdog on the shell's parent)", "trainer gone; it said it was interrupted")
     reliability("orphans and locks", "parent of the trainer SIGKILLed (bash -c execs)",
@@ -97,13 +98,10 @@ def test_killed_launcher_takes_torchrun_and_its_workers_with_it(tiny_poses, tmp_
     tree: list[int] = []
     try:
         wait_for(lambda: "training nerf" in log.read_text(), 120, "training to start", proc, log)
-        tree = descendants(proc.pid)
+        tree, left = sigkill_root(proc, 40)
         assert len(tree) >= 3, tree  # torchrun and its two workers
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        left = wait_gone(tree, 40)
         assert not left, f"still running after the launcher was SIGKILLed: {left}"
     finally:
-        kill_all([proc.pid] + tree)
+        kill_all(descendants(proc.pid) + [proc.pid] + tree)
     reliability("orphans and locks", "launcher of torchrun + 2 gloo workers SIGKILLed mid-training",
                 "torchrun and both workers stop (no restart)", "torchrun and both workers gone")

@@ -57,7 +57,7 @@ def test_checkpoint_of_another_scene_is_refused(tiny_poses, other_poses, tmp_pat
     assert not (tmp_path / "ev.json").exists() and not (tmp_path / "ev").exists()
     reliability("silently wrong", "evaluate a model of scene A with scene B's poses",
                 "refused, naming both fingerprints (was: 11.8 dB and no warning)",
-                f"exit 1: {err.strip().splitlines()[-1][len('evaluate: error: '):][:120]}...")
+                f"exit 1: {err.strip().splitlines()[-1][len('evaluate: error: '):]}")
     assert evaluate(["--poses", str(tiny_poses), *args]) == 0
     m = json.loads((tmp_path / "ev.json").read_text())
     reliability("silently wrong", "evaluate the same model with its own poses", "evaluated",

@@ -35,7 +35,7 @@ def test_failed_reconstruct_and_evaluate_leave_no_stale_outs(tiny_poses, tmp_pat
     assert not out.exists() and not metrics.exists() and not plots.exists()
     reliability("stale outs", "reconstruct fails (an image is missing) over a previous out, metrics and plots",
                 "all three removed, as dvc repro removes outs before it runs a stage",
-                f"exit 1 ({err.strip().splitlines()[-1].split('error: ')[-1][:70]}...); none left")
+                f"none left; exit 1: {err.strip().splitlines()[-1].split('error: ')[-1]}")
 
     model, ev, ev_metrics = tmp_path / "model", tmp_path / "ev", tmp_path / "ev.json"
     _stale(model, ev, ev_metrics)
