@@ -14,7 +14,8 @@ and a trainer left running keeps writing into folders that the rerun then uses t
 * ``RAYFORGE_DETACH=1`` turns both off, for a run meant to outlive its shell (``nohup``).
 
 The signal is SIGTERM, not SIGKILL: the stages turn it into a clean stop (temporary folders
-removed, one line said), and torchrun stops its workers on it.
+removed, one line said), and torchrun stops its workers on it. A parent killed before the child's
+interpreter reached :func:`die_with_parent` (its start-up and imports, under a second) goes unseen.
 """
 from __future__ import annotations
 
@@ -133,8 +134,11 @@ def die_with_parent() -> None:
     global _watchdog
     if os.environ.get(DETACH_ENV) == "1" or _watchdog is not None:
         return
+    parent = os.getppid()
     _prctl_pdeathsig(signal.SIGTERM)
     _watchdog = ParentWatchdog()
+    if os.getppid() != parent:  # it died while the signal was being armed
+        os.kill(os.getpid(), signal.SIGTERM)
     _watchdog.start()
 
 

@@ -1,20 +1,19 @@
 """Nothing a killed run made is left for good: an ingest SIGKILLed while it writes leaves a temporary
 folder named after its pid, which the next run removes (a live process's is kept); a Prefect flow
-SIGKILLed while it runs takes its temporary Prefect server with it."""
+SIGKILLed while it runs a stage takes its temporary Prefect server, dvc and the stage with it."""
 from __future__ import annotations
 
 import os
 import re
 import signal
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from _faults import children, descendants, kill_all, spawn, stage, temporaries, wait_for, wait_gone
+from _faults import children, descendants, kill_all, sigkill_root, spawn, stage, temporaries, wait_for
 
 AREA = "leftovers"
 
@@ -60,21 +59,34 @@ def test_killed_ingest_leaves_no_temporary_folder_for_good(tmp_path, reliability
 
 
 PIPE_PARAMS = "seed: 0\nreconstruct:\n  method: nerf\n"
+NAP_PY = """\
+import pathlib, time
+from stages.common.entry import cli  # what every stage's __main__ runs; this stage only sleeps
+cli(lambda: (pathlib.Path("armed").touch(), time.sleep(300)))
+"""  # "armed": tied to its parent (a kill before Python got that far is a window no process can close)
 NAP_DVC = """\
 stages:
   nap:
-    cmd: python -c "import time; time.sleep(300)"
+    cmd: python nap_stage.py
     outs: [data/nap]
 """
 
 
 @pytest.mark.integration
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process trees read from /proc")
-def test_killed_prefect_flow_stops_its_temporary_server(tmp_path, reliability):
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_killed_prefect_flow_stops_its_temporary_server_and_its_stage(tmp_path, reliability):
     pytest.importorskip("prefect", reason="needs Prefect")
     from _dvc_project import make_dvc_project
 
-    repo = make_dvc_project(tmp_path / "repo", "", NAP_DVC, PIPE_PARAMS)
+    repo = make_dvc_project(tmp_path / "repo", NAP_PY, NAP_DVC, PIPE_PARAMS)
+    (repo / "stage.py").rename(repo / "nap_stage.py")
     log = tmp_path / "flow.log"
     env = {"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": "",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -87,12 +99,13 @@ def test_killed_prefect_flow_stops_its_temporary_server(tmp_path, reliability):
             return next((c for c in children(proc.pid)  # uvicorn serving Prefect's app (not the reaper beside it)
                          if b"uvicorn\0" in Path(f"/proc/{c}/cmdline").read_bytes()), None)
         server = wait_for(server_pid, 240, "the temporary server to start", proc, log)
-        time.sleep(1.0)  # the server has just been started: the flow would now wait for it, then run the stages
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        left = wait_gone([server], 30)
-        assert not left, f"the temporary Prefect server {server} outlived the SIGKILLed flow"
+        wait_for(lambda: (repo / "armed").exists(), 240, "the flow to run its stage", proc, log)
+        nap = [p for p in descendants(proc.pid) if b"nap_stage.py" in _cmdline(p)]
+        tree, left = sigkill_root(proc, 30)
+        assert not left, f"outlived the SIGKILLed flow: {[(p, _cmdline(p)) for p in left]} (server {server})"
+        assert server in tree and nap[0] in tree
     finally:
         kill_all(descendants(proc.pid) + [proc.pid] + ([server] if server else []))
-    reliability(AREA, "`python -m flows.pipeline` SIGKILLed while its temporary Prefect server starts",
-                "the server stops too", "server (uvicorn) gone within seconds")
+    reliability(AREA, "`python -m flows.pipeline` SIGKILLed while it runs a stage",
+                "its temporary Prefect server, dvc and the stage stop too",
+                "server (uvicorn), dvc repro and the stage gone within seconds")
