@@ -21,6 +21,7 @@ from typing import Any, Union
 from prefect import flow
 
 from flows.artifacts import publish_results
+from flows.ephemeral import temporary_server
 from flows.dvc_project import (
     OverrideError,
     check_overrides,
@@ -149,11 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--retries", type=int, default=2, help="retries after a transient fault (default: 2)")
     parser.add_argument("--retry-delay", type=float, default=30.0, help="seconds before a retry (default: 30)")
     args = parser.parse_args(argv)
-    state = reconstruction_pipeline(
-        photos=args.photos, method=args.method, gpus=args.gpus, steps=args.steps,
-        overrides=dict(args.overrides), repo=args.repo, retries=args.retries,
-        retry_delay_s=args.retry_delay, return_state=True,
-    )
+    with temporary_server():  # stopped even if this process is killed (flows/ephemeral.py)
+        state = reconstruction_pipeline(
+            photos=args.photos, method=args.method, gpus=args.gpus, steps=args.steps,
+            overrides=dict(args.overrides), repo=args.repo, retries=args.retries,
+            retry_delay_s=args.retry_delay, return_state=True,
+        )
     if not state.is_completed():
         print(f"{state.name}: {state.message}", file=sys.stderr)
         return 1

@@ -31,6 +31,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import MissingContextError
 from prefect.logging import get_logger, get_run_logger
 
+from stages.common.process import tied
+
 #: Markers of faults that may pass on a second try.
 TRANSIENT = {
     "NCCL timeout": re.compile(r"NCCL.*(?:timeout|timed out|time out)|Watchdog caught collective operation timeout", re.I),
@@ -182,7 +184,8 @@ def run_stage(stage: str, repo: str, env: dict[str, str] | None = None,
 
 def _repro(stage: str, repo: Path, env: Mapping[str, str] | None,
            logger: logging.Logger | logging.LoggerAdapter) -> str:
-    cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", stage]
+    # tied: dvc gets SIGTERM if this flow process is killed outright, and the stage stops with it
+    cmd = tied([sys.executable, "-m", "dvc", "repro", "--single-item", stage])
     logger.info("$ dvc repro --single-item %s   (in %s)", stage, repo)
     tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)  # for the error message
     transient: set[str] = set()  # markers from the whole output: a fault may scroll far up

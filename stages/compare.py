@@ -38,7 +38,8 @@ from typing import Any, Callable
 from PIL import Image, ImageDraw, ImageFont
 
 from stages import report as R
-from stages.common.io import atomic_dir, atomic_write_bytes, atomic_write_text
+from stages.common.entry import cli, run_stage
+from stages.common.io import atomic_dir, atomic_write_bytes, atomic_write_text, check_outs
 from stages.common.plots import png_bytes
 
 log = logging.getLogger("compare")
@@ -507,6 +508,7 @@ def write(runs: list[Run], bases: dict[str, Run], out_dir: str | Path, title: st
 def run(out_dir: str | Path, repo: str | Path = ".", all_commits: bool = False, revs: list[str] | None = None,
         baseline: str | None = None, from_json: str | Path | None = None) -> dict:
     """Read the experiments (``dvc exp show --json`` in ``repo``, or the saved ``from_json``) and write the page."""
+    check_outs({"--from-json": from_json, "--repo": Path(repo) / "dvc.yaml"}, {"--out": out_dir})
     if from_json is not None:
         doc, source = json.loads(Path(from_json).read_text()), str(from_json)
     else:
@@ -536,15 +538,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", help="experiment name or rev to take deltas against (default: each commit)")
     args = ap.parse_args(argv)
     setup("compare")
-    try:
+
+    def body() -> None:
         out = run(args.out, args.repo, args.all_commits, args.rev, args.baseline, args.from_json)
-    except ValueError as exc:
-        print(f"compare: error: {exc}", file=sys.stderr)
-        return 1
-    print(f"Compared {out['runs']} runs ({out['scaling_tables']} scaling table(s))")
-    print(f"Comparison: {out['html']}")
-    return 0
+        print(f"Compared {out['runs']} runs ({out['scaling_tables']} scaling table(s))")
+        print(f"Comparison: {out['html']}")
+
+    return run_stage("compare", body)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli(main)

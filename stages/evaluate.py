@@ -46,7 +46,6 @@ import logging
 import math
 import platform
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +57,9 @@ from PIL import Image
 
 from stages.common import metrics as M
 from stages.common.cameras import Intrinsics, read_transforms
-from stages.common.io import atomic_dir, atomic_write_bytes, atomic_write_json, read_json, remove
+from stages.common.entry import cli, run_stage
+from stages.common.fingerprint import data_fingerprint, short
+from stages.common.io import atomic_dir, atomic_write_bytes, atomic_write_json, check_outs, read_json, remove_outs
 from stages.common.plots import encode_animation
 from stages.common.params import DEFAULT_PARAMS, check, load_section, read_yaml
 
@@ -206,6 +207,22 @@ def read_summary(model_dir: str | Path, need_weights: bool = True) -> dict:
     if not isinstance(summary, dict):
         raise ValueError(f"{model_dir / 'summary.json'}: expected an object, got {type(summary).__name__}")
     return summary
+
+
+def check_same_data(summary: dict, model_dir: Path, poses_dir: Path) -> None:
+    """Refuse a model trained on other data than ``poses_dir`` (the fingerprints in its summary.json
+    and of the poses differ): its cameras live in another frame, and the scores would mean nothing."""
+    trained = summary.get("data_fingerprint")
+    if not trained:
+        log.warning("%s records no data fingerprint (a model from before they were kept): cannot check that "
+                    "it was trained on %s", model_dir, poses_dir)
+        return
+    here = data_fingerprint(poses_dir)
+    if here != trained:
+        raise ValueError(f"the model in {model_dir} was trained on other data (fingerprint {short(trained)}) than "
+                         f"the poses in {poses_dir} ({short(here)}): evaluate it with the poses it was trained on, "
+                         "or retrain it on these (the fingerprint covers transforms.json, split.json, points3D.ply "
+                         "and the images)")
 
 
 # ---------------------------------------------------------------- environment
@@ -446,8 +463,14 @@ def run(
             the environment block (None: no hash).
     """
     poses_dir, model_dir, out_dir, metrics_path = map(Path, (poses_dir, model_dir, out_dir, metrics_path))
+    outs = {"--out": out_dir, "--metrics": metrics_path}
+    check_outs({"--poses": poses_dir, "--model": model_dir, "--params": params_path,
+                "evaluate.lpips_backbone": params.lpips_backbone or None,
+                "evaluate.lpips_linear": params.lpips_linear or None}, outs)
+    remove_outs(outs)  # as dvc repro does: a failed run leaves no stale renders or metrics
     views = load_test_views(poses_dir)
     summary = read_summary(model_dir, need_weights=model is None)
+    check_same_data(summary, model_dir, poses_dir)
     on_gpu = torch.cuda.is_available() if model is None else str(getattr(model, "device", "cpu")).startswith("cuda")
     limit, scale, how = eval_profile(params, views, on_gpu)
     in_split = len(views)
@@ -469,7 +492,6 @@ def run(
              getattr(model, "method", "?"), getattr(model, "device", "?"), len(views), in_split,
              ", ".join(dict.fromkeys(f"{c.width}x{c.height}" for c in cams)), scale, how)
 
-    remove(metrics_path)  # a failed run leaves no stale metrics beside a missing out folder
     # warm-up (lazy compiles, caches, allocator), a quarter of the first view's size off the GPU, where
     # it is there to time the renders by
     warm = cams[0] if on_gpu else cams[0].scaled(min(1.0, max(0.25, 8 / min(cams[0].width, cams[0].height))))
@@ -593,17 +615,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", type=Path, default=DEFAULT_PARAMS, help="params file (default: params.yaml)")
     args = ap.parse_args(argv)
     setup("evaluate")
-    try:
-        params = load_section(EvaluateParams, "evaluate", args.params)
+    seen: dict = {}
+
+    def body() -> int:
+        params = seen["params"] = load_section(EvaluateParams, "evaluate", args.params)
         m = run(params, args.poses, args.model, args.out, args.metrics, params_path=args.params)
-    except ValueError as exc:
-        print(f"evaluate: error: {exc}", file=sys.stderr)
-        return 1
-    orbit = f", orbit {args.out / m['orbit']['file']}" if m.get("orbit") else ""
-    print(f"PSNR {m['psnr']:.2f} dB  SSIM {m['ssim']:.4f}  {m['fps']:.2f} views/s  "
-          f"({m['num_test_views']} test views, {m['width']}x{m['height']}) -> {args.metrics}{orbit}")
-    return 0
+        orbit = f", orbit {args.out / m['orbit']['file']}" if m.get("orbit") else ""
+        print(f"PSNR {m['psnr']:.2f} dB  SSIM {m['ssim']:.4f}  {m['fps']:.2f} views/s  "
+              f"({m['num_test_views']} test views, {m['width']}x{m['height']}) -> {args.metrics}{orbit}")
+        return 0
+
+    return run_stage("evaluate", body, oom_advice=lambda: "lower evaluate.chunk_rays" + (
+        f" (now {seen['params'].chunk_rays})" if "params" in seen else ""))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli(main)

@@ -12,15 +12,18 @@ name then keeping its folders, e.g. ``train/r_0.png``), in name order:
   (``<stem>-2.png`` ... when two photos share a stem; in a subfolder the stem is prefixed with
   the folders, ``train_r_0.png``);
 * a corrupt, truncated or empty image, a byte-identical copy of an earlier photo, and any
-  other file are skipped, each with its reason in the manifest;
+  other file are skipped, each with its reason in the manifest; only regular files are ever
+  opened (a named pipe, device or socket among the photos is skipped unread: reading one
+  would block forever or never end);
 * ``ground_truth.json`` (the generated scene's cameras, see docs/contracts.md) is checked
   and copied to ``<out>/ground_truth.json``, its frames restricted to the ingested photos
   (renamed to their output names) and its intrinsics rescaled to the written size.
 
 ``<out>/manifest.json`` lists the images (output file, source, size, sha256 of the PNG,
 EXIF orientation, and the EXIF camera body and focal length where the photo has them, which
-the poses stage's ``camera_mode: auto`` groups cameras by) and the skipped files. The out folder is built aside and swapped in on
-success, so an error leaves no outs.
+the poses stage's ``camera_mode: auto`` groups cameras by) and the skipped files. The out folder
+is built aside and swapped in on success, so an error leaves no outs; an out that is the photo
+folder, above it or inside it is refused before anything is touched.
 
 Usage::
 
@@ -34,7 +37,7 @@ import io
 import json
 import logging
 import os
-import sys
+import stat
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +47,8 @@ import numpy as np
 
 from .common import params as P
 from .common.cameras import Intrinsics
-from .common.io import atomic_dir, atomic_write_json
+from .common.entry import cli, run_stage
+from .common.io import atomic_dir, atomic_write_json, check_outs
 from .common.log import setup
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".tif", ".tiff", ".bmp", ".webp"}
@@ -284,6 +288,22 @@ def list_photos(photos_dir: Path, recursive: bool) -> list[tuple[str, Path]]:
     return sorted(found, key=lambda e: e[0])
 
 
+_NOT_REGULAR = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+                (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def not_a_regular_file(path: Path) -> str | None:
+    """Why ``path`` (followed if a symlink) is no regular file to read, or None when it is one."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        return f"cannot read file: {exc.strerror or exc}"
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((name for test, name in _NOT_REGULAR if test(mode)), "not a regular file")
+    return f"{kind}, not a photo (never opened)"
+
+
 def _skip(skipped: list[dict], source: str, reason: str, log: logging.Logger) -> None:
     skipped.append({"source": source, "reason": reason})
     log.warning("skipped %s: %s", source, reason)
@@ -300,6 +320,7 @@ def run(params: IngestParams, photos_dir: str | Path, out_dir: str | Path, log: 
     log = log or setup("ingest")
     photos_dir = Path(photos_dir)
     out_dir = Path(out_dir)
+    check_outs({"--photos": photos_dir}, {"--out": out_dir})
     with atomic_dir(out_dir) as tmp:
         if not photos_dir.exists():
             raise ValueError(f"photo folder not found: {photos_dir}")
@@ -318,6 +339,10 @@ def run(params: IngestParams, photos_dir: str | Path, out_dir: str | Path, log: 
             if path.is_dir():
                 _skip(skipped, name, "a link to a folder (not followed)" if params.recursive
                       else "a folder (subfolders are not searched; ingest.recursive: true would)", log)
+                continue
+            special = not_a_regular_file(path)
+            if special is not None:
+                _skip(skipped, name, special, log)
                 continue
             if name == GROUND_TRUTH:
                 gt_path = path
@@ -386,17 +411,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", default=P.DEFAULT_PARAMS, type=Path, help="params file (default: params.yaml)")
     args = ap.parse_args(argv)
     log = setup("ingest")
-    try:
+
+    def body() -> None:
         params = P.load_section(IngestParams, "ingest", args.params)
         photos = args.photos if args.photos is not None else Path(params.photos)
         if args.photos is not None and Path(params.photos) != args.photos:
             log.info("--photos %s overrides ingest.photos %s", args.photos, params.photos)
+        check_outs({"--photos": photos, "--params": args.params}, {"--out": args.out})
         run(params, photos, args.out, log=log)
-    except ValueError as exc:
-        print(f"ingest: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+
+    return run_stage("ingest", body)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli(main)

@@ -52,7 +52,6 @@ import argparse
 import json
 import logging
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -63,7 +62,8 @@ import numpy as np
 
 from .common import cameras as C
 from .common import params as P
-from .common.io import atomic_dir, atomic_write_json, remove
+from .common.entry import cli, run_stage
+from .common.io import atomic_dir, atomic_write_json, check_outs, remove
 from .common.log import setup
 
 log = logging.getLogger("stages.poses")
@@ -646,6 +646,8 @@ def _intrinsics(camera) -> C.Intrinsics:
 def run(params: PosesParams, ingest_dir: str | Path, out_dir: str | Path, metrics_path: str | Path,
         seed: int = 0) -> dict:
     """Run SfM on the ingested images and write the outs; returns the metrics."""
+    check_outs({"--ingest": ingest_dir, "poses.camera_file": params.camera_file or None},
+               {"--out": out_dir, "--metrics": metrics_path})
     if params.source in IMPORT_SOURCES:  # cameras from another tool's files: no SfM
         from .importers import run_import
 
@@ -830,16 +832,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", default=str(P.DEFAULT_PARAMS), help="params.yaml (section 'poses', key 'seed')")
     args = ap.parse_args(argv)
     setup("stages.poses")
-    try:
+
+    def body() -> None:  # a ValueError (ParamsError included) is one line to act on, no traceback
         data = P.read_yaml(args.params)
-        params = P.load_section(PosesParams, "poses", data=data)
-        seed = load_seed(data=data)
-        run(params, args.ingest, args.out, args.metrics, seed=seed)
-    except ValueError as exc:  # ParamsError included: a message the user can act on, no traceback
-        print(f"poses: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        params = P.load_section(PosesParams, "poses", args.params, data=data)
+        check_outs({"--ingest": args.ingest, "--params": args.params}, {"--out": args.out, "--metrics": args.metrics})
+        run(params, args.ingest, args.out, args.metrics, seed=load_seed(data=data))
+
+    return run_stage("poses", body)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli(main)

@@ -30,7 +30,6 @@ import html
 import logging
 import math
 import re
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,8 +39,9 @@ import numpy as np
 import yaml
 from PIL import Image
 
-from stages.common.io import atomic_dir, atomic_write_bytes, atomic_write_text, read_json
-from stages.common.params import DEFAULT_PARAMS, check, from_dict, read_yaml
+from stages.common.entry import cli, run_stage
+from stages.common.io import atomic_dir, atomic_write_bytes, atomic_write_text, check_outs, read_json
+from stages.common.params import DEFAULT_PARAMS, check, load_section, read_yaml
 from stages.common.plots import ERROR_MAX, MIME, png_bytes, training_curve, view_row
 
 log = logging.getLogger("report")
@@ -485,6 +485,9 @@ def run(
     """
     evaluate_dir, metrics_dir, plots_csv, poses_dir, out_dir = map(
         Path, (evaluate_dir, metrics_dir, plots_csv, poses_dir, out_dir))
+    check_outs({"--evaluate": evaluate_dir, "--metrics-dir": metrics_dir, "--plots": plots_csv, "--poses": poses_dir,
+                "references": references, **{f"scaling {f}": f for f in ([scaling] if isinstance(scaling, (str, Path))
+                                                                           else scaling or [])}}, {"--out": out_dir})
     ev = _read_json(metrics_dir / "evaluate.json", required=True)
     poses_m = _read_json(metrics_dir / "poses.json", required=False)
     rec_m = _read_json(metrics_dir / "reconstruct.json", required=False)
@@ -785,9 +788,10 @@ def main(argv: list[str] | None = None) -> int:
                          "adds a scaling table (repeatable)")
     args = ap.parse_args(argv)
     setup("report")
-    try:
+
+    def body() -> None:
         data = read_yaml(args.params)
-        params = from_dict(ReportParams, data.get("report", {}), "report")
+        params = load_section(ReportParams, "report", args.params, data=data)
         ingest, poses = data.get("ingest") or {}, data.get("poses") or {}
         photos = ingest.get("photos") if isinstance(ingest, dict) else None
         test_every = poses.get("test_every") if isinstance(poses, dict) else None
@@ -796,12 +800,10 @@ def main(argv: list[str] | None = None) -> int:
                   test_every=test_every if isinstance(test_every, int) and test_every > 0 else None,
                   scaling=[args.params.parent / f for f in params.scaling] + list(args.scaling or []),
                   photos=photos if isinstance(photos, str) else None)
-    except ValueError as exc:
-        print(f"report: error: {exc}", file=sys.stderr)
-        return 1
-    print(f"Report: {out['html']}")
-    return 0
+        print(f"Report: {out['html']}")
+
+    return run_stage("report", body)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli(main)

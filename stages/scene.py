@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import colorsys
 import io
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,8 @@ import numpy as np
 
 from .common import params as P
 from .common.cameras import Intrinsics
-from .common.io import atomic_dir, atomic_write_json
+from .common.entry import cli, run_stage
+from .common.io import atomic_dir, atomic_write_json, check_outs
 from .common.log import setup
 
 SCENE_CENTER = np.array([0.0, 0.0, 0.3])  # cameras look here; objects are at most ~1 high
@@ -406,13 +406,14 @@ def to_uint8(img: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------- stage
 
 
-def run(params: SceneParams, out_dir: str | Path, seed: int, log=None) -> dict:
+def run(params: SceneParams, out_dir: str | Path, seed: int, log=None, params_path: str | Path | None = None) -> dict:
     """Generate the scene's views and ground truth into ``out_dir`` (replaced atomically).
 
     Returns a summary: number of views, intrinsics, scene centre and radius, seconds taken.
     """
     from tqdm import tqdm
 
+    check_outs({"--params": params_path}, {"--out": out_dir})
     log = log or setup("scene")
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
@@ -488,16 +489,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", default=P.DEFAULT_PARAMS, type=Path, help="params file (default: params.yaml)")
     args = ap.parse_args(argv)
     log = setup("scene")
-    try:
+
+    def body() -> None:
         data = P.read_yaml(args.params)
-        params = P.load_section(SceneParams, "scene", data=data)
-        seed = load_seed(data=data)
-        run(params, args.out, seed, log=log)
-    except ValueError as exc:
-        print(f"scene: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        params = P.load_section(SceneParams, "scene", args.params, data=data)
+        run(params, args.out, load_seed(data=data), log=log, params_path=args.params)
+
+    return run_stage("scene", body)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli(main)

@@ -120,12 +120,45 @@ def from_dict(cls: type[T], data: Any, where: str) -> T:
         raise ParamsError(msg if msg.startswith(where + ".") else f"{where}.{msg}") from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error (PyYAML lets
+    the last one win without a word, so a forgotten earlier line would silently lose)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    first = seen.get(key)
+                except TypeError:  # an unhashable key: the base loader says what is wrong
+                    break
+                seen[key] = line
+                if first is not None:
+                    raise ParamsError(f"{key_node.start_mark.name}: line {line}: duplicate key {key!r} "
+                                      f"(first given on line {first}); remove one of them")
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(text: str, name: str = "<params>") -> Any:
+    """YAML text as Python values, with duplicate keys refused (:class:`ParamsError`)."""
+    loader = _UniqueKeyLoader(text)
+    loader.name = name
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def read_yaml(path: str | Path = DEFAULT_PARAMS) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ParamsError(f"params file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = parse_yaml(path.read_text(), str(path)) or {}
     except yaml.YAMLError as exc:
         raise ParamsError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
@@ -133,10 +166,19 @@ def read_yaml(path: str | Path = DEFAULT_PARAMS) -> dict:
     return data
 
 
-def load_section(cls: type[T], section: str, path: str | Path = DEFAULT_PARAMS, data: dict | None = None) -> T:
-    """Load and validate one section of params.yaml as dataclass ``cls``."""
-    data = read_yaml(path) if data is None else data
-    return from_dict(cls, data.get(section, {}), section)
+def load_section(cls: type[T], section: str, path: str | Path | None = None, data: dict | None = None) -> T:
+    """Load and validate one section of params.yaml as dataclass ``cls``.
+
+    A file without the section is an error, not the built-in defaults (a file meant for
+    another purpose would otherwise run with values nobody chose); an empty section
+    (``section: {}``) asks for the defaults explicitly.
+    """
+    where = str(path) if path is not None else "the params" if data is not None else str(DEFAULT_PARAMS)
+    data = read_yaml(path or DEFAULT_PARAMS) if data is None else data
+    if section not in data:
+        raise ParamsError(f"{where} has no '{section}' section (it has: {', '.join(map(str, data)) or 'nothing'}); "
+                          f"add one (see the project's params.yaml), or '{section}: {{}}' for the built-in defaults")
+    return from_dict(cls, data[section], section)
 
 
 def to_dict(obj: Any) -> dict:

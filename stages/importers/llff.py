@@ -1,6 +1,7 @@
 """LLFF ``poses_bounds.npy``: N x 17 rows of a 3x5 pose-and-intrinsics matrix and near/far bounds."""
 from __future__ import annotations
 
+import tokenize
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,6 @@ def read_llff(path: str | Path, names: list[str] | None = None) -> ImportedScene
         path = path / "poses_bounds.npy"
     try:
         arr = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as exc:
+    except (OSError, ValueError, EOFError, SyntaxError, tokenize.TokenError) as exc:  # a mangled header: the last two
         raise _fail(path, f"cannot read as a .npy array ({exc})") from None
     return parse_poses_bounds(arr, path, names if names is not None else _llff_names(path.parent))

@@ -14,9 +14,17 @@ state by name + step), ``summary.json``; metrics (``--metrics``) and the trainin
 ``--checkpoint-dir``); a rerun resumes from them, and success removes them. TensorBoard
 scalars (``reconstruct.tensorboard``) go to ``<out>.tb/`` while training and end up in
 ``<out>/tensorboard/``.
+
+While it runs, the stage holds ``<out>.lock`` (a second run on the same out fails at once,
+naming this one's pid); the previous outs are removed when it starts (as ``dvc repro`` does),
+so a failed run leaves none that look complete. Checkpoints and ``summary.json`` record a
+fingerprint of the training data: another scene's checkpoint is not resumed, and the evaluate
+stage refuses another scene's poses. A step with a non-finite loss or gradients is skipped
+(``guards.py``).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import platform
 import shutil
@@ -24,9 +32,13 @@ from pathlib import Path
 
 import torch
 
-from stages.common.io import atomic_dir, atomic_write_json, atomic_write_text
+from stages.common.fingerprint import data_fingerprint
+from stages.common.io import (
+    OutLock, atomic_dir, atomic_write_json, atomic_write_text, check_outs, remove_outs, torch_save,
+)
 from stages.common.params import to_dict
 
+from . import guards
 from .checkpoint import CheckpointStore, default_dir
 from .config import DistributedParams, ReconstructParams
 from .data import load_scene, working_side
@@ -47,6 +59,33 @@ def pick_device(setting: str) -> torch.device:
     if setting == "auto" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def stage_paths(poses_dir, out_dir, metrics_path=None, plots_path=None, checkpoint_dir=None) -> tuple[dict, dict]:
+    """The stage's inputs and outs by option name, for :func:`stages.common.io.check_outs`."""
+    out = Path(out_dir)
+    outs = {"--out": out, "--metrics": metrics_path, "--plots": plots_path,
+            "--checkpoint-dir": checkpoint_dir or default_dir(out), "<out>.tb": Path(str(out) + ".tb")}
+    return {"--poses": poses_dir}, outs
+
+
+@contextlib.contextmanager
+def claim(poses_dir, out_dir, metrics_path=None, plots_path=None, checkpoint_dir=None):
+    """Check the paths, lock the out (and a checkpoint folder elsewhere) and remove the previous outs.
+
+    Yields the locks (``OutLock.fds`` keeps them held by a child). Under a launcher that already
+    holds them (torchrun's workers), the locks are inherited and nothing is removed.
+    """
+    inputs, outs = stage_paths(poses_dir, out_dir, metrics_path, plots_path, checkpoint_dir)
+    check_outs(inputs, outs)
+    ckpt = Path(outs["--checkpoint-dir"])
+    with contextlib.ExitStack() as stack:
+        locks = [stack.enter_context(OutLock(out_dir))]
+        if ckpt != default_dir(out_dir):
+            locks.append(stack.enter_context(OutLock(ckpt)))
+        if not locks[0].inherited:
+            remove_outs({k: outs[k] for k in ("--out", "--metrics", "--plots")})
+        yield locks
 
 
 def run(
@@ -71,12 +110,21 @@ def run(
             turns checkpoints off.
     """
     ctx = ctx or DistContext(device=pick_device(params.device))
+    if not ctx.is_main:
+        check_outs(*stage_paths(poses_dir, out_dir, metrics_path, plots_path, checkpoint_dir))
+        return _run(params, poses_dir, out_dir, metrics_path, plots_path, seed, progress, ctx, checkpoint_dir)
+    with claim(poses_dir, out_dir, metrics_path, plots_path, checkpoint_dir):
+        return _run(params, poses_dir, out_dir, metrics_path, plots_path, seed, progress, ctx, checkpoint_dir)
+
+
+def _run(params, poses_dir, out_dir, metrics_path, plots_path, seed, progress, ctx, checkpoint_dir) -> dict:
     device = ctx.device
     scene = load_scene(poses_dir, max_side=working_side(device))  # the CPU profile's working resolution
+    data = {"fingerprint": data_fingerprint(poses_dir), "poses": str(poses_dir)} if ctx.is_main else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     dp = params.distributed
-    store = CheckpointStore(checkpoint_dir or default_dir(out_dir)) if dp.checkpoint_every > 0 else None
+    store = CheckpointStore(checkpoint_dir or default_dir(out_dir), data=data) if dp.checkpoint_every > 0 else None
     metrics = None
     if ctx.is_main and dp.metrics_port:
         from .telemetry import MetricsServer
@@ -94,13 +142,17 @@ def run(
 
         live = LiveViewer(poses_dir, ViewerParams(port=params.viewer_port))
         log.info("live viewer of the training: http://127.0.0.1:%d", params.viewer_port)
+    ok = False
     try:
         result = train(params, scene, device, seed, progress=progress, ctx=ctx, checkpoints=store, metrics=metrics,
                        tensorboard=tb, live=live)
+        ok = True
     finally:
         for closing in (metrics, tb, live):
             if closing is not None:
                 closing.close()
+        if tb is not None and not ok:  # failed or interrupted: no <out>.tb/ left; a rerun writes from its checkpoint on
+            shutil.rmtree(tb_dir, ignore_errors=True)
     method = result.method
     config = to_dict(params)
     comm = result.step_comm_s
@@ -132,19 +184,19 @@ def run(
                       "step_comm_s": round(v[3], 6)} for r, v in enumerate(result.per_rank)],
         "resumed_from_step": result.resumed_from_step,
         "restarts": ctx.restart_count,
+        "data_fingerprint": None if data is None else data["fingerprint"],
+        **(guards.current().summary() if guards.current() is not None else {}),
         "params": config,
     }
     if ctx.is_main:
         state = method.state_dict()
+        guards.check_finite(state, "model")
         model = {"format": MODEL_FORMAT, "method": params.method, "config": config, "aabb": scene.aabb,
                  "state": state}
         with atomic_dir(out_dir) as tmp:
-            torch.save(model, tmp / "model.pt")
-            torch.save(
-                {**model, "method_version": method.VERSION, "optimizers": all_optimizer_state(method),
-                 "step": params.steps},
-                tmp / "checkpoint.pt",
-            )
+            torch_save(model, tmp / "model.pt")
+            torch_save({**model, "method_version": method.VERSION, "optimizers": all_optimizer_state(method),
+                        "step": params.steps}, tmp / "checkpoint.pt")
             atomic_write_json(tmp / "summary.json", summary)
             if tb_dir is not None and tb_dir.is_dir():
                 shutil.copytree(tb_dir, tmp / "tensorboard")

@@ -12,11 +12,14 @@ only (``torch.load(weights_only=True)``):
   name: one per parameter for 3DGS, one for the NeRF's field)
 * ``rng``: one entry per rank (every generator the rank draws from, and torch's own)
 * ``progress``: the training curve so far, samples and seconds, for the outs' figures
+* ``data``: ``{"fingerprint", "poses"}``, the training data's fingerprint
+  (:func:`stages.common.fingerprint.data_fingerprint`) and where it was read
 
 A run resumes from the newest checkpoint that reads back intact; a corrupt newest one
-is skipped with a warning. A checkpoint of another model or config is an error before
-training (:class:`CheckpointMismatch`), naming the keys that differ and the folder to
-remove. When the stage succeeds the folder is removed.
+is skipped with a warning. A checkpoint of another model, config or training data is an
+error before training (:class:`CheckpointMismatch`), naming what differs and the folder
+to remove. A state with NaN or Inf is never written. When the stage succeeds the folder
+is removed.
 """
 from __future__ import annotations
 
@@ -27,15 +30,17 @@ import logging
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from stages.common.fingerprint import short
 from stages.common.io import atomic_write_bytes, atomic_write_json
 
 from .config import migrate_config
+from .guards import check_finite
 
 log = logging.getLogger("stages.reconstruct.checkpoint")
 
@@ -113,8 +118,16 @@ class Expectation:
     world_size: int
     operational: frozenset[str] = frozenset()  # the method's OPERATIONAL_KEYS
     version: int | None = None  # the method's VERSION (None: not compared)
+    data: dict | None = None  # {"fingerprint", "poses"} of this run's training data; None: not compared
 
     def check(self, blob: dict, path: Path, folder: Path) -> None:
+        other_data = None
+        if self.data is not None:
+            saved = blob.get("data") or {}
+            if saved.get("fingerprint") != self.data["fingerprint"]:
+                other_data = (f"{saved.get('poses', 'unknown poses')} (data fingerprint "
+                              f"{short(saved.get('fingerprint'))}), this run trains on {self.data['poses']} "
+                              f"({short(self.data['fingerprint'])})")
         diffs = []
         if blob["method"] != self.method:
             diffs.append(f"method: {blob['method']!r} -> {self.method!r}")
@@ -126,9 +139,14 @@ class Expectation:
             diffs.append(f"world size: {blob['world_size']} -> {self.world_size} processes")
         diffs += config_differences(blob["config"], self.config, self.operational)
         if diffs:
+            also = f"; and it was trained on {other_data}" if other_data else ""
             raise CheckpointMismatch(
-                f"checkpoint {path} was written by another model or config ({'; '.join(diffs)}); "
+                f"checkpoint {path} was written by another model or config ({'; '.join(diffs)}){also}; "
                 f"restore those params to resume it, or remove {folder} to start over")
+        if other_data:
+            raise CheckpointMismatch(
+                f"checkpoint {path} was trained on other data: {other_data}; point the stage back at the poses it "
+                f"was trained on to resume it, or remove {folder} to start over on these")
 
 
 def _upgrade(blob: dict) -> dict:
@@ -145,9 +163,12 @@ def _upgrade(blob: dict) -> dict:
 class CheckpointStore:
     """The checkpoint folder of one training run."""
 
-    def __init__(self, folder: str | Path, keep: int = KEEP):
+    def __init__(self, folder: str | Path, keep: int = KEEP, data: dict | None = None):
+        """``data``: ``{"fingerprint", "poses"}`` of the training data, stamped into every checkpoint
+        saved and compared with every checkpoint resumed (None: neither)."""
         self.folder = Path(folder)
         self.keep = keep
+        self.data = data
 
     def candidates(self) -> list[tuple[int, Path]]:
         """(step, path) of every checkpoint file, newest first."""
@@ -163,6 +184,10 @@ class CheckpointStore:
     def save(self, blob: dict) -> Path:
         """Write ``blob`` as the checkpoint of ``blob['step']``; keep the newest ``keep``."""
         step = int(blob["step"])
+        check_finite({"state": blob.get("state"), "optimizers": blob.get("optimizers")},
+                     f"checkpoint of step {step}")
+        if self.data is not None and "data" not in blob:
+            blob = {**blob, "data": self.data}
         buf = io.BytesIO()
         torch.save(blob, buf)
         data = buf.getvalue()
@@ -218,6 +243,8 @@ class CheckpointStore:
         Raises:
             CheckpointMismatch: the newest intact checkpoint belongs to another model/config.
         """
+        if expect is not None and expect.data is None and self.data is not None:
+            expect = replace(expect, data=self.data)
         found = self.candidates()
         for i, (step, path) in enumerate(found):
             try:

@@ -6,6 +6,11 @@ itself as ``python -m torch.distributed.run --nproc-per-node N ... -m
 stages.reconstruct <same arguments>`` (:func:`torchrun_command`), whose workers see
 torchrun's environment and train. The environment is passed through unchanged
 (``NCCL_*`` and the rest: the host's settings are never overridden).
+
+torchrun dies with the launcher (``PR_SET_PDEATHSIG``: it then stops its workers, which die with
+it in turn, see ``stages/common/process.py``) and holds the launcher's out locks, so no second run
+starts on the same out before the workers are gone. Ctrl-C or SIGTERM is passed on to torchrun; its
+own report of the signal is not shown (rank 0 says where training stopped).
 """
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from stages.common.process import tied
 
 from .config import ReconstructParams
 
@@ -120,43 +127,69 @@ _RDZV_ERRORS = ("RendezvousConnectionError", "RendezvousTimeoutError", "Rendezvo
                 "RendezvousStateError")
 
 
-def run_torchrun(cmd: list[str], params: ReconstructParams, log=None) -> int:
-    """Run torchrun, forwarding its output and SIGINT/SIGTERM; returns its exit status.
+# what the workers say when stopped; after a signal, the rest of torchrun's output is its own report of it
+_KEPT_AFTER_SIGNAL = (b"reconstruct: ", b"[rank")
+
+
+def run_torchrun(cmd: list[str], params: ReconstructParams, log=None, pass_fds: list[int] | tuple = ()) -> int:
+    """Run torchrun, forwarding its output and SIGINT/SIGTERM; returns its exit status (128 + the
+    signal when one was passed on).
+
+    Args:
+        pass_fds: file descriptors torchrun keeps open (the out locks).
 
     Raises:
         ValueError: the hosts did not meet at the rendezvous endpoint in time.
     """
     if log is not None:
         log.info("launching: %s", shlex.join(cmd))
-    proc = subprocess.Popen(cmd, env=child_env(), stderr=subprocess.PIPE)
+    proc = subprocess.Popen(tied(cmd), env=child_env(), stderr=subprocess.PIPE, pass_fds=tuple(pass_fds))
     tail = bytearray()
+    got: list[int] = []  # signals passed on to torchrun
+
+    def show(data: bytes) -> None:
+        out = getattr(sys.stderr, "buffer", None)
+        if out is not None:
+            out.write(data)
+            out.flush()
+        else:
+            sys.stderr.write(data.decode(errors="replace"))
 
     def pump() -> None:
-        out = getattr(sys.stderr, "buffer", None)
+        pending = b""
         while True:
             chunk = os.read(proc.stderr.fileno(), 65536)
             if not chunk:
                 break
-            if out is not None:
-                out.write(chunk)
-                out.flush()
-            else:
-                sys.stderr.write(chunk.decode(errors="replace"))
             tail.extend(chunk)
             del tail[:-65536]
+            if not got:
+                show(chunk)
+                continue
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                if line.lstrip(b"\r").startswith(_KEPT_AFTER_SIGNAL):
+                    show(line + b"\n")
+
+    def forward(sig: int, _frame) -> None:
+        got.append(sig)
+        proc.send_signal(sig)
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     old = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
-            old[sig] = signal.signal(sig, lambda s, f: proc.send_signal(s))
+            old[sig] = signal.signal(sig, forward)
     try:
         rc = proc.wait()
     finally:
         for sig, h in old.items():
             signal.signal(sig, h)
         reader.join(timeout=5)
+    if got:
+        return 128 + got[0]
     if rc != 0:
         text = tail.decode(errors="replace")
         found = [e for e in _RDZV_ERRORS if e in text]

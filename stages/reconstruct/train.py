@@ -51,6 +51,7 @@ from .checkpoint import CKPT_FORMAT, CheckpointMismatch, CheckpointStore, Expect
 from .config import ReconstructParams
 from .data import Scene, sizes_text
 from .distributed import DistContext, all_gather_objects, all_gather_tensor, broadcast_object, lr_scale, scale_learning_rates
+from .guards import StepGuard
 from .methods import all_optimizer_state, all_scheduler_state, build_method, expectation, load_optimizer_state
 from .parallel import make_strategy
 from .telemetry import ExpectedTime, MetricsServer, StepTimer, TensorBoardLog
@@ -206,11 +207,12 @@ class StepProfiler:
 
 
 @torch.no_grad()
-def _nonfinite(loss: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
-    """0-d float32 on the device, 1 when the step's loss or any gradient holds a NaN or an Inf: one
-    fused check per dtype (GradScaler's, with a scale of 1, which leaves the gradients as they
-    are) and no host sync, so a GPU step is not held up by it."""
-    found = (~torch.isfinite(loss)).float().reshape(())
+def _nonfinite(loss: torch.Tensor, params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(any, loss): 0-d float32 flags on the device, 1 when the step's loss or any gradient (any) or
+    the loss alone holds a NaN or an Inf. One fused check per dtype (GradScaler's, with a scale of
+    1, which leaves the gradients as they are) and no host sync, so a GPU step is not held up."""
+    bad_loss = (~torch.isfinite(loss)).any().float().reshape(())
+    found = bad_loss.clone()
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
@@ -218,7 +220,7 @@ def _nonfinite(loss: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
     one = torch.ones((), device=loss.device)
     for grads in by_dtype.values():
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
-    return found
+    return found, bad_loss
 
 
 class Trainer:
@@ -255,7 +257,7 @@ class Trainer:
                 if hasattr(s, "seek"):  # samplers whose position is not in their generator's state
                     s.seek(self.start * self.micro)
         self.strategy.start(method, resumed)
-        self.skipped = torch.zeros((), dtype=torch.int64, device=device)  # counted on the device: no sync
+        self.guard = StepGuard(lazy=device.type == "cuda")  # logs the skips; stops a diverged run
 
     # ------------------------------------------------------------ checkpoints
 
@@ -293,7 +295,7 @@ class Trainer:
             "state": m.state_dict(), "optimizers": all_optimizer_state(m), "schedulers": all_scheduler_state(m),
             "rng": rngs, "local": local,
             "progress": {"rows": self.res.rows, "elapsed_s": elapsed, "samples": samples,
-                         "skipped_steps": self.res.skipped_steps + int(self.skipped)},
+                         "skipped_steps": self.res.skipped_steps + len(self.guard.skipped)},
         })
         log.debug("checkpoint of step %d written to %s", done, self.checkpoints.folder)
 
@@ -320,8 +322,8 @@ class Trainer:
         timer.comm_begin()
         extras = strategy.reduce(1.0 / (self.M * self.world), acc)
         timer.comm_end()
-        bad = _nonfinite(extras[0], m.parameters())
-        self.skipped += bad.to(self.skipped.dtype)
+        bad, bad_loss = _nonfinite(extras[:2], m.parameters())
+        self.guard.record(step, bad, bad_loss)
         m.optimizer_step(step, bad)
         if m.after_step(step, strategy):
             strategy.rebind(m)
@@ -355,7 +357,6 @@ class Trainer:
         prof = StepProfiler(ctx.rank, self.device)
         expected = ExpectedTime(self.start, p.steps, self.device, enabled=ctx.is_main)
         scale = self.M * self.world
-        reported_skips = 0
         for step in bar:
             done = step + 1
             prof.at(step)
@@ -406,11 +407,7 @@ class Trainer:
                         log.info("per rank: %s", "; ".join(
                             f"rank {r}: {sps:,.0f} samples/s, step {1e3 * (c + cm):.1f} ms = {1e3 * c:.1f} compute "
                             f"+ {1e3 * cm:.1f} comm" for r, (sps, _, c, cm, *_) in enumerate(res.per_rank)))
-                skipped = int(self.skipped)
-                if skipped > reported_skips:
-                    log.warning("%d step(s) so far had a non-finite loss or gradient and were skipped "
-                                "(no parameter changed in them)", res.skipped_steps + skipped)
-                    reported_skips = skipped
+                self.guard.flush()  # on a GPU the skipped steps of this row are logged (and counted) here
                 res.rows.append(row)
                 if self.metrics is not None:
                     self.metrics.update(done, loss_now, row["psnr"], row["test_psnr"], res.per_rank)
@@ -422,6 +419,7 @@ class Trainer:
                 self._save_checkpoint(done, self.prior_elapsed + time.perf_counter() - t0,
                                       self.prior_samples + float(sums[2]))
         bar.close()
+        self.guard.flush()
         prof.at(p.steps)
         self.strategy.close()
         if self.device.type == "cuda":
@@ -431,7 +429,7 @@ class Trainer:
         res.train_time_s = self.prior_elapsed + time.perf_counter() - t0
         res.samples_per_s = (self.prior_samples + float(sums[2])) / max(res.train_time_s, 1e-9)
         res.rays_per_s = p.steps * m.batch_size() * self.world / max(res.train_time_s, 1e-9)
-        res.skipped_steps += int(self.skipped)
+        res.skipped_steps += len(self.guard.skipped)
         if run_steps:
             res.step_compute_s, res.step_comm_s = run_compute / run_steps, run_comm / run_steps
         res.final_psnr = res.rows[-1]["psnr"]
