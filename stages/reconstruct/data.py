@@ -100,11 +100,12 @@ class PosedImages:
         for n, im, w, h in zip(names, images, cameras.width.tolist(), cameras.height.tolist()):
             if im.shape[:2] != (h, w):
                 raise ValueError(f"{n}: image is {im.shape[1]}x{im.shape[0]}, its camera says {w}x{h}")
-        sizes = torch.tensor([0] + [im.shape[0] * im.shape[1] for im in images], dtype=torch.int64)
-        c = channels.pop() if channels else 3
-        flat = [torch.from_numpy(np.ascontiguousarray(im)).reshape(-1, c) for im in images]
-        pixels = torch.cat(flat) if flat else torch.zeros(0, c, dtype=torch.uint8)
-        return cls(list(names), pixels, torch.cumsum(sizes, 0), c2w.float(), cameras)
+        offsets = torch.cumsum(torch.tensor([0] + [im.shape[0] * im.shape[1] for im in images]), 0)
+        pixels = torch.empty(int(offsets[-1]), channels.pop() if channels else 3, dtype=torch.uint8)
+        flat = pixels.numpy()
+        for im, a, b in zip(images, offsets[:-1].tolist(), offsets[1:].tolist()):
+            flat[a:b] = np.asarray(im).reshape(b - a, -1)  # one copy, into the buffer
+        return cls(list(names), pixels, offsets, c2w.float(), cameras)
 
     @property
     def channels(self) -> int:
