@@ -531,8 +531,9 @@ def model_geometry(rec) -> dict[str, Any]:
     img_of, xyz = [], []
     for pt in rec.points3D.values():
         for el in pt.track.elements:
-            img_of.append(el.image_id)
-            xyz.append(pt.xyz)
+            if el.image_id in w2c:
+                img_of.append(el.image_id)
+                xyz.append(pt.xyz)
     depths = np.zeros(0)
     if img_of:
         P = np.stack([w2c[i] for i in img_of])  # [M, 3, 4]

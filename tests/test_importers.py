@@ -858,3 +858,25 @@ def test_distorted_per_image_models_are_undistorted_image_by_image(tmp_path):
             assert np.abs(got - uv).max() < 1.0, (models[k][0], got, uv)
         if k == 2:  # the alpha strip is warped with the colours: transparent on the left, opaque elsewhere
             assert img[:, :5, 3].max() == 0 and img[intr.height // 2, intr.width // 2, 3] == 255
+
+
+def test_every_reader_takes_one_camera_per_image_and_names_the_image_with_a_bad_focal(tmp_path):
+    # LLFF: each row has its own (H, W, focal): a portrait and a landscape row
+    rows = np.concatenate([llff_rows(ring_c2w(2)[:1], 30, 40, 35.0), llff_rows(ring_c2w(2)[1:], 40, 30, 36.0)])
+    scene = I.parse_poses_bounds(rows, "poses_bounds.npy", ["a.png", "b.png"])
+    assert [(c.width, c.height, c.fx) for c in scene.cameras] == [(40, 30, 35.0), (30, 40, 36.0)]
+    rows[1, 14] = 0.0  # b's focal
+    with pytest.raises(ValueError, match=r"row 1 \(b.png\): focal must be > 0"):
+        I.parse_poses_bounds(rows, "poses_bounds.npy", ["a.png", "b.png"])
+    # transforms.json: per-frame cameras override the top level; a bad one names its image
+    doc = {"w": 40, "h": 30, "fl_x": 35.0, "frames": [
+        {"file_path": "a.png", "transform_matrix": np.eye(4).tolist()},
+        {"file_path": "b.png", "transform_matrix": np.eye(4).tolist(), "w": 30, "h": 40, "fl_x": 36.0}]}
+    (tmp_path / "transforms.json").write_text(json.dumps(doc))
+    scene = I.read_transforms(tmp_path / "transforms.json")
+    assert scene.layout == "nerfstudio" and [(c.width, c.height, c.fx) for c in scene.cameras] == \
+        [(40, 30, 35.0), (30, 40, 36.0)]
+    doc["frames"][1]["fl_x"] = -36.0
+    (tmp_path / "transforms.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=r"frames\[1\] \(b.png\): fl_x must be > 0"):
+        I.read_transforms(tmp_path / "transforms.json")

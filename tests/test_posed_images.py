@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from conftest import requires_gpu
 from stages.common import cameras as C
 from stages.reconstruct.data import (Cameras, PosedImages, RaySampler, composite, image_rays, load_scene, pixel_rays,
                                      read_points_ply, sizes_text, working_size)
@@ -102,6 +103,22 @@ def test_shared_size_draws_are_what_they_always_were():
     o_old, d_old = pixel_rays(intr, c2w[img], cols, rows)  # the old call: one Intrinsics, Python floats
     assert torch.equal(o, o_old) and torch.equal(d, d_old)
     assert torch.equal(rgb, stack[img, rows, cols].float() / 255.0)
+
+
+@requires_gpu
+@pytest.mark.gpu
+def test_views_pinned_and_moved_to_the_gpu_draw_what_the_cpu_draws():
+    """Per-image cameras on the GPU (pinned, non-blocking copy): the same rays as on the CPU from
+    the same CPU generator (the pixel draw itself is the generator's)."""
+    v = _views()
+    gpu = v.pin_memory().to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert gpu.pixels.is_cuda and gpu.cameras.fx.is_cuda and gpu.offsets.is_cuda
+    oc, dc, rc = RaySampler(v, torch.Generator().manual_seed(0)).sample(8192)
+    og, dg, rg = RaySampler(gpu, torch.Generator().manual_seed(0)).sample(8192)
+    assert og.is_cuda and torch.equal(rg.cpu(), rc) and torch.equal(og.cpu(), oc)
+    torch.testing.assert_close(dg.cpu(), dc, rtol=0, atol=1e-6)  # float32 matmul and norm on another device
+    torch.testing.assert_close(gpu.cameras.K().cpu(), v.cameras.K(), rtol=0, atol=0)
 
 
 def test_image_rays_are_row_major_through_pixel_centres():
