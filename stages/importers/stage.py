@@ -216,7 +216,8 @@ def run_import(params, ingest_dir: str | Path, out_dir: str | Path, metrics_path
         log.warning("not registered: %s: %s", name, why)
     names, cams = ingested_cameras(scene, regs)
     c2w = np.stack([scene.c2w[i] for _, _, i in regs])
-    kinds = list(dict.fromkeys(cams))  # one COLMAP camera per distinct camera, in sorted-name order
+    camera_id = {c: k + 1 for k, c in enumerate(dict.fromkeys(cams))}  # one per distinct camera, name order
+    kinds = list(camera_id)
     models = sorted({c.model for c in kinds})
     distorted = models != ["PINHOLE"]
     times = {"read": time.perf_counter() - t_start}
@@ -225,12 +226,12 @@ def run_import(params, ingest_dir: str | Path, out_dir: str | Path, metrics_path
         work = Path(tmp)
         t = time.perf_counter()
         rec = pycolmap.Reconstruction()
-        for k, cam in enumerate(kinds):
-            rec.add_camera_with_trivial_rig(pycolmap.Camera(camera_id=k + 1, model=cam.model, width=cam.width,
+        for cam, cid in camera_id.items():
+            rec.add_camera_with_trivial_rig(pycolmap.Camera(camera_id=cid, model=cam.model, width=cam.width,
                                                             height=cam.height, params=cam.colmap_params()))
         for k, (name, cam, T) in enumerate(zip(names, cams, c2w)):
             w2c = C.c2w_to_w2c(T)
-            rec.add_image_with_trivial_frame(pycolmap.Image(name=name, camera_id=kinds.index(cam) + 1, image_id=k + 1),
+            rec.add_image_with_trivial_frame(pycolmap.Image(name=name, camera_id=camera_id[cam], image_id=k + 1),
                                              pycolmap.Rigid3d(pycolmap.Rotation3d(w2c[:3, :3]), w2c[:3, 3]))
         for p, colour in zip(scene.points_xyz, scene.points_rgb):
             rec.add_point3D(p, pycolmap.Track(), colour)
