@@ -572,6 +572,10 @@ def _check_outs(out: Path, m: dict, gt: dict, names: list[str]):
     assert len(pcd.points) == m["num_points"]
     split = json.loads((out / "split.json").read_text())
     assert sorted(split["train"] + split["test"]) == sorted(names)
+    # nerfstudio's split keys say the same (it evaluates on "val" while training: the test views)
+    assert doc["train_filenames"] == [f"images/{n}" for n in split["train"]]
+    assert doc["val_filenames"] == doc["test_filenames"] == [f"images/{n}" for n in split["test"]]
+    assert [f["colmap_im_id"] for f in doc["frames"]] == list(range(1, len(names) + 1))
     assert m["num_train"] == len(split["train"]) and m["num_test"] == len(split["test"])
     if m.get("center_error_max") is not None:  # cameras straight from the ground truth: exact
         assert m["center_error_max"] < 1e-6 and m["rotation_error_max_deg"] < 1e-4, m

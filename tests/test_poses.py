@@ -92,8 +92,9 @@ def test_sfm_writes_every_out(sfm, ingest):
     assert (doc["w"], doc["h"]) == (w, h) and len(set(intrs)) == 1  # one shared camera: camera_mode auto
     assert doc["camera_model"] == "PINHOLE" and doc["sfm_camera_model"] == "PINHOLE"
     assert m["camera_mode"] == "auto" and m["num_cameras"] == 1
-    # nerfstudio's keys: the points' file, and the SfM world -> this frame as 3x4
+    # nerfstudio's keys: the points' file, the SfM world -> this frame as 3x4, the split, the image ids
     assert doc["ply_file_path"] == "points3D.ply"
+    assert doc["test_filenames"] == doc["val_filenames"] == [f"images/{names[i]}" for i in (0, 8)]
     np.testing.assert_allclose(doc["applied_transform"], np.array(doc["normalization"])[:3], atol=0)
     g = m["geometry"]
     assert not g["degenerate"] and g["reasons"] == [] and g["baseline_ratio"] > 0.3 and g["behind_fraction"] == 0
@@ -105,6 +106,7 @@ def test_sfm_writes_every_out(sfm, ingest):
     # the normalization maps the SfM model's cameras onto transforms.json's
     S = np.array(doc["normalization"])
     by_name = {rec.image(i).name: rec.image(i) for i in rec.reg_image_ids()}
+    assert [f["colmap_im_id"] for f in doc["frames"]] == [by_name[n].image_id for n in names]
     w2c0 = np.vstack([by_name[names[0]].cam_from_world().matrix(), [0, 0, 0, 1]])
     np.testing.assert_allclose(C.apply_similarity_to_c2w(S, C.w2c_to_c2w(w2c0)), c2w[0], atol=1e-9)
     # the box holds most of the points, which sit among (below) the cameras

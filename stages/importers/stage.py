@@ -253,20 +253,6 @@ def run_import(params, ingest_dir: str | Path, out_dir: str | Path, metrics_path
         c2w_n = C.apply_similarity_to_c2w(S, c2w)
         xyz_n = C.apply_similarity_to_points(S, scene.points_xyz)
         aabb, aabb_rule = scene_aabb(xyz_n, c2w_n, cams, scene.near_far, scene.aabb_scale, S)
-        background = _background([e for _, e, _ in regs], scene)
-        extra = {"camera_model": "PINHOLE", "source": params.source, "source_layout": scene.layout,
-                 "source_camera_model": ", ".join(models), "normalization": S.tolist(),
-                 "applied_transform": S[:3].tolist(), "ply_file_path": "points3D.ply", "aabb": aabb.tolist()}
-        if scene.aabb_scale is not None:
-            extra["aabb_scale"] = scene.aabb_scale
-        if background is not None:
-            extra["background"] = background
-        C.write_transforms(out / "transforms.json", intrs, [f"images/{n}" for n in names], c2w_n, extra=extra)
-        if len(xyz_n):
-            write_ply(out / "points3D.ply", xyz_n, scene.points_rgb)
-        else:
-            write_empty_ply(out / "points3D.ply")
-
         split, split_rule = None, f"every {params.test_every}th"
         if scene.split is not None:
             out_name = {scene.names[i]: name for name, _, i in regs}
@@ -279,6 +265,22 @@ def run_import(params, ingest_dir: str | Path, out_dir: str | Path, metrics_path
                 split = None
         split = split or make_split(names, params.test_every)
         atomic_write_json(out / "split.json", split)
+
+        background = _background([e for _, e, _ in regs], scene)
+        extra = {"camera_model": "PINHOLE", "source": params.source, "source_layout": scene.layout,
+                 "source_camera_model": ", ".join(models), "normalization": S.tolist(),
+                 "applied_transform": S[:3].tolist(), "ply_file_path": "points3D.ply", **C.split_keys(split),
+                 "aabb": aabb.tolist()}
+        if scene.aabb_scale is not None:
+            extra["aabb_scale"] = scene.aabb_scale
+        if background is not None:
+            extra["background"] = background
+        C.write_transforms(out / "transforms.json", intrs, [f"images/{n}" for n in names], c2w_n, extra=extra,
+                           frame_extra=[{"colmap_im_id": by_name[n].image_id} for n in names])
+        if len(xyz_n):
+            write_ply(out / "points3D.ply", xyz_n, scene.points_rgb)
+        else:
+            write_empty_ply(out / "points3D.ply")
 
         metrics: dict[str, Any] = {
             "source": params.source,
