@@ -492,8 +492,8 @@ def run(
              getattr(model, "method", "?"), getattr(model, "device", "?"), len(views), in_split,
              ", ".join(dict.fromkeys(f"{c.width}x{c.height}" for c in cams)), scale, how)
 
-    # warm-up (lazy compiles, caches, allocator), a quarter of the first view's size off the GPU, where
-    # it is there to time the renders by
+    # warm-up (lazy compiles, caches, allocator); off the GPU at a quarter of the first view's width and
+    # height (a sixteenth of its cost), which is enough to time the renders by
     warm = cams[0] if on_gpu else cams[0].scaled(min(1.0, max(0.25, 8 / min(cams[0].width, cams[0].height))))
     t0 = time.perf_counter()
     render_view(model, warm, views[0], params.chunk_rays)

@@ -8,9 +8,9 @@ Reads ``<ingest>/manifest.json`` and ``<ingest>/images/*.png`` and writes ``<out
 * ``transforms.json``: nerfstudio / instant-ngp cameras in the normalized frame (camera
   centres' mean at the origin, farthest camera at 1, mean up along +z): one shared camera at the
   top level, or with several cameras each frame's own ``fl_x fl_y cx cy w h`` (nerfstudio's
-  layout), nerfstudio's ``applied_transform`` (SfM world -> this frame, 3x4) and
-  ``ply_file_path``, and the extra keys ``normalization`` (the same map, 4x4), ``aabb`` and
-  ``camera_model``,
+  layout), nerfstudio's ``applied_transform`` (SfM world -> this frame, 3x4), ``ply_file_path``,
+  ``train/val/test_filenames`` (the split) and per frame ``colmap_im_id``, and the extra keys
+  ``normalization`` (the same map, 4x4), ``aabb`` and ``camera_model``,
 * ``points3D.ply``: the sparse points with colours, normalized frame,
 * ``split.json``: every ``test_every``-th registered image (sorted by name) is a test view,
 
@@ -531,8 +531,9 @@ def model_geometry(rec) -> dict[str, Any]:
     img_of, xyz = [], []
     for pt in rec.points3D.values():
         for el in pt.track.elements:
-            img_of.append(el.image_id)
-            xyz.append(pt.xyz)
+            if el.image_id in w2c:
+                img_of.append(el.image_id)
+                xyz.append(pt.xyz)
     depths = np.zeros(0)
     if img_of:
         P = np.stack([w2c[i] for i in img_of])  # [M, 3, 4]
@@ -774,18 +775,19 @@ def run(params: PosesParams, ingest_dir: str | Path, out_dir: str | Path, metric
         rgb = np.array([pts[i].color for i in point_ids], dtype=np.uint8).reshape(-1, 3)
         xyz_n = C.apply_similarity_to_points(S, xyz)
         aabb = robust_aabb(xyz_n, c2w_n[:, :3, 3])
+        split = make_split(reg_names, params.test_every)
+        atomic_write_json(out / "split.json", split)
         # one shared camera at the top level; several: every frame its own (nerfstudio's layout)
         C.write_transforms(out / "transforms.json", intrs, [f"images/{n}" for n in reg_names], c2w_n, extra={
             "camera_model": "PINHOLE",  # what the images in images/ are
             "sfm_camera_model": params.camera_model,
             "applied_transform": S[:3].tolist(),  # nerfstudio's key: SfM world (sparse/0) -> this frame
             "ply_file_path": "points3D.ply",
+            **C.split_keys(split),
             "normalization": S.tolist(),
             "aabb": aabb.tolist(),
-        })
+        }, frame_extra=[{"colmap_im_id": by_name[n].image_id} for n in reg_names])
         write_ply(out / "points3D.ply", xyz_n, rgb)
-        split = make_split(reg_names, params.test_every)
-        atomic_write_json(out / "split.json", split)
 
         metrics: dict[str, Any] = {
             "num_images": len(names),

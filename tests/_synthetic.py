@@ -156,3 +156,33 @@ def make_ingest(out: str | Path, views: int = 12, rings: int = 2, width: int = 2
     (out / "manifest.json").write_text(json.dumps(
         {"images": entries, "skipped": [], "ground_truth": "ground_truth.json"}, indent=2))
     return gt
+
+
+def make_mixed_ingest(out: str | Path, views: int = 8, rings: int = 1, size: tuple[int, int] = (96, 72),
+                      fov_deg: float = 55.0, focal_spread: float = 0.03) -> list[dict]:
+    """An ingest folder of ``views`` ray-cast views, every odd one in portrait (``size`` turned
+    on its side), each with its own pinhole camera: a horizontal field of view of ``fov_deg`` for
+    the landscape ones (the same focal length for the portrait ones), times 1 + up to
+    ``focal_spread`` (COLMAP's one camera per image, focal lengths a few per cent apart).
+    No ground_truth.json (its one camera cannot say this). Returns per view ``{"file", "K"
+    [3, 3], "w2c" [4, 4], "width", "height"}``."""
+    from PIL import Image
+
+    out = Path(out)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    scene = _build_scene()
+    f0 = 0.5 * size[0] / np.tan(np.deg2rad(fov_deg) / 2)
+    spread = np.linspace(-focal_spread, focal_spread, views)
+    frames, entries = [], []
+    for i, w2c in enumerate(ring_poses(views, rings)):
+        w, h = size if i % 2 == 0 else size[::-1]
+        f = f0 * (1 + spread[(i * 5) % views])
+        K = np.array([[f, 0, w / 2], [0, f, h / 2], [0, 0, 1.0]])
+        name = f"view_{i:03d}.png"
+        Image.fromarray(render(scene, K, w2c, w, h)).save(out / "images" / name)
+        frames.append({"file": name, "K": K, "w2c": w2c, "width": w, "height": h})
+        entries.append({"file": f"images/{name}", "source": name, "width": w, "height": h,
+                        "sha256": hashlib.sha256((out / "images" / name).read_bytes()).hexdigest(),
+                        "exif_orientation": 1})
+    (out / "manifest.json").write_text(json.dumps({"images": entries, "skipped": [], "ground_truth": None}))
+    return frames

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -344,3 +345,82 @@ def test_lpips_with_user_weights(setup):
     m = evaluate.run(evaluate.EvaluateParams(chunk_rays=1024, orbit_frames=0), poses, model_dir, tmp_path / "ev2",
                      tmp_path / "m2.json", model=FakeModel(poses), params_path=None)
     assert m["lpips"] is None and "not computed" in m["lpips_note"]
+
+
+def test_fewer_and_smaller_test_views(setup, caplog):
+    """max_test_views picks evenly spread views; resolution_scale renders each view's camera
+    scaled and scores it against the ground truth shrunk alike (area average), which is written
+    beside the render for the report."""
+    tmp_path, poses, model_dir, images, _ = setup
+    (poses / "split.json").write_text(json.dumps({"train": [], "test": sorted(images)}))
+    model = FakeModel(poses)
+    params = evaluate.EvaluateParams(chunk_rays=1024, orbit_frames=0, max_test_views=3, resolution_scale=0.5)
+    with caplog.at_level(logging.INFO, logger="evaluate"):
+        m = evaluate.run(params, poses, model_dir, tmp_path / "ev", tmp_path / "m.json", model=model, params_path=None)
+    assert "expected: about" in caplog.text
+    per_view = json.loads((tmp_path / "ev" / "per_view.json").read_text())
+    assert [r["file"] for r in per_view] == ["view_000.png", "view_002.png", "view_003.png"]  # of 4: 0, 1.5, 3
+    assert (m["num_test_views"], m["num_test_views_in_split"], m["resolution_scale"]) == (3, 4, 0.5)
+    assert m["eval_profile"] == "as set" and (m["width"], m["height"]) == (W // 2, H // 2)
+    for r in per_view:
+        gt = np.asarray(Image.open(tmp_path / "ev" / "ground_truth" / r["file"]))
+        box = np.asarray(Image.fromarray(images[r["file"]]).resize((W // 2, H // 2), Image.Resampling.BOX))
+        np.testing.assert_array_equal(gt, box)
+        pred = torch.from_numpy(np.asarray(Image.open(tmp_path / "ev" / "renders" / r["file"]))).float() / 255
+        # the score is of the float render; the 8-bit PNG is within half a level of it
+        assert r["psnr"] == pytest.approx(psnr(pred, torch.from_numpy(gt).float() / 255), abs=0.2)
+    ns = json.loads((tmp_path / "ev" / "metrics.json").read_text())
+    fps = [1 / r["render_time_s"] for r in per_view]
+    assert ns["results"]["num_rays_per_sec"] == pytest.approx(np.mean(fps) * (W // 2) * (H // 2))
+
+
+def test_auto_is_everything_on_a_gpu_and_the_cpu_profile_elsewhere():
+    intr = Intrinsics(800, 600, 700.0, 700.0, 400.0, 300.0)
+    views = [evaluate.EvalView(f"v{k}.png", Path("x"), np.eye(4), intr) for k in range(10)]
+    auto = evaluate.EvaluateParams()
+    assert evaluate.eval_profile(auto, views, on_gpu=True) == (0, 1.0, "max_test_views and resolution_scale auto "
+                                                                      "(GPU profile)")
+    limit, scale, how = evaluate.eval_profile(auto, views, on_gpu=False)
+    assert (limit, scale) == (evaluate.CPU_TEST_VIEWS, evaluate.CPU_EVAL_SIDE / 800) and "CPU profile" in how
+    assert intr.scaled(scale) == Intrinsics(400, 300, 350.0, 350.0, 200.0, 150.0)
+    assert evaluate.eval_profile(evaluate.EvaluateParams(max_test_views=0, resolution_scale=1.0), views, False) == \
+        (0, 1.0, "as set")
+    picked = evaluate.pick_views(views, 8)
+    assert [v.name for v in picked] == ["v0.png", "v1.png", "v3.png", "v4.png", "v5.png", "v6.png", "v8.png",
+                                        "v9.png"]
+    assert evaluate.pick_views(views, 0) == views == evaluate.pick_views(views, 12)
+    with pytest.raises(ParamsError, match="evaluate.resolution_scale"):
+        from_dict(evaluate.EvaluateParams, {"resolution_scale": 0.0}, "evaluate")
+    with pytest.raises(ParamsError, match="evaluate.max_test_views"):
+        from_dict(evaluate.EvaluateParams, {"max_test_views": -1}, "evaluate")
+
+
+def test_each_test_view_is_rendered_with_its_own_camera(tmp_path):
+    """A portrait and a landscape test view: each render has its camera's size, and an RGBA
+    ground truth is scored composited on the scene's background colour."""
+    poses = tmp_path / "poses"
+    (poses / "images").mkdir(parents=True)
+    cams = [Intrinsics(W, H, 30.0, 30.0, W / 2, H / 2), Intrinsics(H, W, 30.0, 30.0, H / 2, W / 2)]
+    rng = np.random.default_rng(0)
+    for k, c in enumerate(cams):
+        img = rng.integers(0, 256, (c.height, c.width, 4 if k else 3), dtype=np.uint8)
+        Image.fromarray(img).save(poses / "images" / f"view_{k:03d}.png")
+    c2w = np.stack([np.eye(4), np.eye(4)])
+    c2w[1, :3, 3] = [1.0, 0.0, 0.0]
+    write_transforms(poses / "transforms.json", cams, ["images/view_000.png", "images/view_001.png"], c2w,
+                     extra={"background": "black"})
+    (poses / "split.json").write_text(json.dumps({"train": [], "test": ["view_000.png", "view_001.png"]}))
+    sizes = []
+
+    class Recorder(FakeModel):
+        def render(self, intr, c2w_cv, chunk_rays):
+            sizes.append((intr.width, intr.height))
+            return torch.zeros(intr.height, intr.width, 3)
+
+    evaluate.run(evaluate.EvaluateParams(chunk_rays=1024, orbit_frames=0), poses, make_model_dir(tmp_path / "m"),
+                 tmp_path / "ev", tmp_path / "m.json", model=Recorder(poses), params_path=None)
+    assert sizes[1:] == [(W, H), (H, W)]  # after the warm-up, each view at its own size
+    rgba = np.asarray(Image.open(poses / "images" / "view_001.png")).astype(float)
+    on_black = np.round(rgba[..., :3] * rgba[..., 3:] / 255)
+    gt = np.asarray(Image.open(tmp_path / "ev" / "ground_truth" / "view_001.png")).astype(float)
+    assert gt.shape == (W, H, 3) and np.abs(gt - on_black).max() <= 1  # Pillow's rounding of the blend

@@ -572,6 +572,10 @@ def _check_outs(out: Path, m: dict, gt: dict, names: list[str]):
     assert len(pcd.points) == m["num_points"]
     split = json.loads((out / "split.json").read_text())
     assert sorted(split["train"] + split["test"]) == sorted(names)
+    # nerfstudio's split keys say the same (it evaluates on "val" while training: the test views)
+    assert doc["train_filenames"] == [f"images/{n}" for n in split["train"]]
+    assert doc["val_filenames"] == doc["test_filenames"] == [f"images/{n}" for n in split["test"]]
+    assert [f["colmap_im_id"] for f in doc["frames"]] == list(range(1, len(names) + 1))
     assert m["num_train"] == len(split["train"]) and m["num_test"] == len(split["test"])
     if m.get("center_error_max") is not None:  # cameras straight from the ground truth: exact
         assert m["center_error_max"] < 1e-6 and m["rotation_error_max_deg"] < 1e-4, m
@@ -726,3 +730,157 @@ def test_shared_fern_llff_and_its_colmap_model_agree(shared_data, tmp_path):
     np.testing.assert_allclose(a[2], b[2], atol=1e-9)  # same poses, same normalization
     assert a[0][0].fx == pytest.approx(3260.526 / 8, rel=1e-5)
     assert abs(b[0][0].fx - a[0][0].fx) / a[0][0].fx < 0.02  # undistorted: nearly the same focal length
+
+
+# ---------------------------------------------------------------- one camera per image
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """Portrait and landscape views, each with its own camera (tests/_synthetic.py), and a COLMAP
+    model of them with one PINHOLE camera per image, as COLMAP writes unless told otherwise."""
+    import _synthetic
+
+    root = tmp_path_factory.mktemp("mixed")
+    frames = _synthetic.make_mixed_ingest(root / "ingest", views=8)
+    cams = [("PINHOLE", f["width"], f["height"], [f["K"][0, 0], f["K"][1, 1], f["K"][0, 2], f["K"][1, 2]])
+            for f in frames]
+    pts = [(p, [200, 100, 50]) for p in np.random.default_rng(0).uniform(-0.5, 0.5, (12, 3)) + [0, 0, 0.3]]
+    write_colmap(root / "model" / "sparse" / "0", [f["file"] for f in frames],
+                 np.stack([C.w2c_to_c2w(f["w2c"]) for f in frames]), cams, pts)
+    return root, frames
+
+
+def test_stage_imports_one_colmap_camera_per_image_in_both_orientations(mixed, tmp_path):
+    import pycolmap
+
+    root, frames = mixed
+    m = _run(tmp_path, root / "ingest", "colmap", root / "model")
+    assert m["num_registered"] == 8 and m["num_cameras"] == 8 and m["undistorted"] is False
+    intrs, files, c2w, doc = C.read_transforms(tmp_path / "poses" / "transforms.json")
+    assert files == [f"images/{f['file']}" for f in frames]
+    assert "fl_x" not in doc and all("fl_x" in fr for fr in doc["frames"])  # nerfstudio's per-frame layout
+    for f, intr in zip(frames, intrs):
+        assert (intr.width, intr.height) == (f["width"], f["height"])
+        np.testing.assert_allclose([intr.fx, intr.fy, intr.cx, intr.cy],
+                                   [f["K"][0, 0], f["K"][1, 1], f["K"][0, 2], f["K"][1, 2]], rtol=1e-12)
+        with Image.open(tmp_path / "poses" / "images" / f["file"]) as im:
+            assert im.size == (intr.width, intr.height)
+    rec = pycolmap.Reconstruction(tmp_path / "poses" / "sparse" / "0")
+    assert rec.num_cameras() == 8
+    # the poses are the ground truth, normalized: every camera projects its scene point where it did
+    S = np.array(doc["normalization"])
+    x = np.array([0.1, -0.2, 0.4])
+    for f, intr, T in zip(frames, intrs, c2w):
+        np.testing.assert_allclose(C.project(intr.K(), C.c2w_to_w2c(T), C.apply_similarity_to_points(S, x[None])),
+                                   C.project(f["K"], f["w2c"], x[None]), atol=1e-8)
+
+
+def test_imported_outs_import_again_to_the_same_cameras(mixed, tmp_path):
+    """Round trips: the poses out's transforms.json and its sparse/0 read back by the importers
+    give the cameras and (normalized again, so up to that similarity) the poses the out holds."""
+    root, _ = mixed
+    _run(tmp_path / "a", root / "ingest", "colmap", root / "model")
+    out = tmp_path / "a" / "poses"
+    intrs, _, c2w, _ = C.read_transforms(out / "transforms.json")
+    via_json = I.read_transforms(out / "transforms.json")
+    assert via_json.layout == "nerfstudio" and [c.intrinsics() for c in via_json.cameras] == intrs
+    np.testing.assert_allclose(via_json.c2w, c2w, atol=1e-12)
+    via_colmap = I.read_colmap(out)  # sparse/0 (the source's world frame), images/ beside it
+    assert [c.intrinsics() for c in via_colmap.cameras] == intrs
+    # ply_file_path's points are the model's, mapped by applied_transform (nerfstudio's meaning)
+    A = np.array(json.loads((out / "transforms.json").read_text())["applied_transform"])
+    assert len(via_json.points_xyz) == len(via_colmap.points_xyz) == 12
+    np.testing.assert_allclose(via_json.points_xyz, via_colmap.points_xyz @ A[:, :3].T + A[:, 3], atol=1e-9)
+    for source, folder in (("transforms", out / "transforms.json"), ("colmap", out)):
+        m = _run(tmp_path / source, root / "ingest", source, folder)
+        again, _, c2w2, _ = C.read_transforms(tmp_path / source / "poses" / "transforms.json")
+        assert m["num_cameras"] == 8 and again == intrs
+        np.testing.assert_allclose(c2w2, c2w, atol=1e-9)  # normalizing a normalized frame changes nothing
+
+
+def test_an_image_larger_than_its_camera_is_an_error_naming_it(mixed, tmp_path):
+    root, frames = mixed
+    small = [("PINHOLE", f["width"] // 2, f["height"] // 2, [f["K"][0, 0] / 2, f["K"][1, 1] / 2, f["K"][0, 2] / 2,
+                                                             f["K"][1, 2] / 2]) for f in frames]
+    small[3] = ("PINHOLE", frames[3]["width"], frames[3]["height"], [80.0, 80.0, 36.0, 48.0])
+    write_colmap(tmp_path / "small" / "sparse" / "0", [f["file"] for f in frames],
+                 np.stack([C.w2c_to_c2w(f["w2c"]) for f in frames]), small)
+    with pytest.raises(ValueError, match=r"image view_000.png \(ingested from view_000.png as 96x72\) is larger "
+                                         r"than its camera, 48x36"):
+        _run(tmp_path, root / "ingest", "colmap", tmp_path / "small")
+    assert not (tmp_path / "poses").exists()
+
+
+def test_distorted_per_image_models_are_undistorted_image_by_image(tmp_path):
+    """Four images, four lens models: a dot drawn where each distorted camera sees a point lands,
+    after the import's undistortion, where that image's own pinhole camera projects it; the RGBA
+    image keeps its alpha channel (ingest.alpha: keep), warped the same way."""
+    import pycolmap
+
+    models = [("SIMPLE_RADIAL", [60.0, 40.0, 30.0, -0.12]), ("RADIAL", [62.0, 40.0, 30.0, -0.1, 0.02]),
+              ("OPENCV", [61.0, 59.0, 40.5, 29.5, -0.1, 0.01, 0.002, -0.001]),
+              ("OPENCV_FISHEYE", [45.0, 45.0, 40.0, 30.0, 0.05, -0.01, 0.0, 0.0])]
+    points_cam = np.array([[0.35, 0.25, 1.0], [-0.3, 0.2, 1.0], [0.0, 0.0, 1.0], [0.3, -0.28, 1.0]])
+    c2w = ring_c2w(4)
+    ing = tmp_path / "ingest"
+    (ing / "images").mkdir(parents=True)
+    entries, names = [], [f"d{k}.png" for k in range(4)]
+    for k, (model, params) in enumerate(models):
+        cam = pycolmap.Camera(camera_id=1, model=model, width=80, height=60, params=params)
+        img = np.zeros((60, 80, 4 if k == 2 else 3), np.uint8)
+        if k == 2:
+            img[..., 3] = 255
+            img[:, :20, 3] = 0  # a transparent strip on the left
+        for uv in cam.img_from_cam(points_cam):
+            c, r = int(uv[0]), int(uv[1])  # the pixel the point falls in (its centre at +0.5)
+            img[r - 1:r + 2, c - 1:c + 2, :3] = 255
+        Image.fromarray(img).save(ing / "images" / names[k])
+        entries.append({"file": f"images/{names[k]}", "source": names[k], "width": 80, "height": 60,
+                        "notes": ["alpha kept"] if k == 2 else []})
+    (ing / "manifest.json").write_text(json.dumps({"images": entries, "skipped": []}))
+    write_colmap(tmp_path / "model", names, c2w, [(m, 80, 60, p) for m, p in models])
+    m = _run(tmp_path, ing, "colmap", tmp_path / "model")
+    assert m["undistorted"] and m["num_cameras"] == 4 and m["background"] == "alpha kept"
+    assert m["source_camera_model"] == "OPENCV, OPENCV_FISHEYE"  # SIMPLE_RADIAL, RADIAL: OPENCV forms
+    intrs, files, _, doc = C.read_transforms(tmp_path / "poses" / "transforms.json")
+    assert doc["camera_model"] == "PINHOLE" and len(set(intrs)) == 4
+    rec = pycolmap.Reconstruction(tmp_path / "poses" / "sparse" / "0")
+    assert {c.model_name for c in rec.cameras.values()} == {"PINHOLE"}
+    for k, (intr, f) in enumerate(zip(intrs, files)):
+        img = np.asarray(Image.open(tmp_path / "poses" / f))
+        assert img.shape[:2] == (intr.height, intr.width) and img.shape[2] == (4 if k == 2 else 3)
+        lum = img[..., :3].astype(float).mean(-1)
+        expected = (intr.K() @ points_cam.T).T
+        for uv in expected[:, :2] / expected[:, 2:]:
+            c, r = int(uv[0]), int(uv[1])
+            win = lum[max(r - 4, 0):r + 5, max(c - 4, 0):c + 5]
+            rr, cc = np.mgrid[max(r - 4, 0):r + 5, max(c - 4, 0):c + 5]
+            got = np.array([(cc * win).sum(), (rr * win).sum()]) / win.sum() + 0.5  # blob centroid, pixel centres
+            # the dot was drawn at the integer pixel of the distorted projection: within a pixel of
+            # the pinhole projection, plus what bilinear resampling moves a 3x3 blob's centroid
+            assert np.abs(got - uv).max() < 1.0, (models[k][0], got, uv)
+        if k == 2:  # the alpha strip is warped with the colours: transparent on the left, opaque elsewhere
+            assert img[:, :5, 3].max() == 0 and img[intr.height // 2, intr.width // 2, 3] == 255
+
+
+def test_every_reader_takes_one_camera_per_image_and_names_the_image_with_a_bad_focal(tmp_path):
+    # LLFF: each row has its own (H, W, focal): a portrait and a landscape row
+    rows = np.concatenate([llff_rows(ring_c2w(2)[:1], 30, 40, 35.0), llff_rows(ring_c2w(2)[1:], 40, 30, 36.0)])
+    scene = I.parse_poses_bounds(rows, "poses_bounds.npy", ["a.png", "b.png"])
+    assert [(c.width, c.height, c.fx) for c in scene.cameras] == [(40, 30, 35.0), (30, 40, 36.0)]
+    rows[1, 14] = 0.0  # b's focal
+    with pytest.raises(ValueError, match=r"row 1 \(b.png\): focal must be > 0"):
+        I.parse_poses_bounds(rows, "poses_bounds.npy", ["a.png", "b.png"])
+    # transforms.json: per-frame cameras override the top level; a bad one names its image
+    doc = {"w": 40, "h": 30, "fl_x": 35.0, "frames": [
+        {"file_path": "a.png", "transform_matrix": np.eye(4).tolist()},
+        {"file_path": "b.png", "transform_matrix": np.eye(4).tolist(), "w": 30, "h": 40, "fl_x": 36.0}]}
+    (tmp_path / "transforms.json").write_text(json.dumps(doc))
+    scene = I.read_transforms(tmp_path / "transforms.json")
+    assert scene.layout == "nerfstudio" and [(c.width, c.height, c.fx) for c in scene.cameras] == \
+        [(40, 30, 35.0), (30, 40, 36.0)]
+    doc["frames"][1]["fl_x"] = -36.0
+    (tmp_path / "transforms.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=r"frames\[1\] \(b.png\): fl_x must be > 0"):
+        I.read_transforms(tmp_path / "transforms.json")

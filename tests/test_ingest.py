@@ -219,6 +219,48 @@ def test_alpha_dropped_or_composited(tmp_path, alpha, expected):
     assert recs["plain.png"]["notes"] == []
 
 
+def test_alpha_kept_as_rgba_and_shrunk_with_the_colours(tmp_path):
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    rgba = np.zeros((12, 16, 4), np.uint8)
+    rgba[..., 1] = 200
+    rgba[:, 8:, 3] = 255  # transparent left half, opaque right half
+    Image.fromarray(rgba, mode="RGBA").save(photos / "alpha.png")
+    Image.fromarray(np.ascontiguousarray(rgba[..., [1, 3]]), mode="LA").save(photos / "la.png")
+    _rgb(16, 12).save(photos / "plain.png")
+    recs = _by_source(ingest.run(ingest.IngestParams(photos="unused", alpha="keep"), photos, tmp_path / "out"))
+    with Image.open(tmp_path / "out" / recs["alpha.png"]["file"]) as im:
+        assert im.mode == "RGBA"
+        np.testing.assert_array_equal(np.asarray(im), rgba)  # colour under the transparent half kept too
+    with Image.open(tmp_path / "out" / recs["la.png"]["file"]) as im:
+        assert im.mode == "RGBA" and np.asarray(im)[0, 0, 3] == 0 and np.asarray(im)[0, 12, 3] == 255
+    with Image.open(tmp_path / "out" / recs["plain.png"]["file"]) as im:
+        assert im.mode == "RGB"  # no alpha to keep
+    assert "alpha kept" in recs["alpha.png"]["notes"] and recs["plain.png"]["notes"] == []
+    recs = _by_source(ingest.run(ingest.IngestParams(photos="unused", alpha="keep", max_size=8), photos,
+                                 tmp_path / "small"))
+    with Image.open(tmp_path / "small" / recs["alpha.png"]["file"]) as im:
+        a = np.asarray(im)
+    # the alpha edge stays where it was (Lanczos rings by a level or two next to it)
+    assert a.shape == (6, 8, 4) and a[:, :3, 3].max() <= 2 and a[:, 5:, 3].min() >= 253
+
+
+def test_exif_camera_body_and_focal_length_go_in_the_manifest(tmp_path):
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for k, (make, model, focal) in enumerate([("Pixel", "7a", 4.38), ("Apple", "iPhone 12", 26.0), (None, None, None)]):
+        exif = Image.Exif()
+        if make:
+            exif[ingest.EXIF_MAKE], exif[ingest.EXIF_MODEL] = make, model
+            exif.get_ifd(ingest.EXIF_IFD)[ingest.EXIF_FOCAL] = focal
+            exif.get_ifd(ingest.EXIF_IFD)[ingest.EXIF_FOCAL_35] = 27
+        (photos / f"p{k}.jpg").write_bytes(_jpeg_bytes(_rgb(seed=k), exif=exif))
+    recs = _by_source(ingest.run(PARAMS, photos, tmp_path / "out"))
+    assert recs["p0.jpg"]["camera"] == {"make": "Pixel", "model": "7a", "focal_length_mm": pytest.approx(4.38),
+                                        "focal_length_35mm": 27.0}
+    assert recs["p1.jpg"]["camera"]["model"] == "iPhone 12" and "camera" not in recs["p2.jpg"]
+
+
 def test_recursive_keeps_folders_in_source_names(tmp_path):
     photos = tmp_path / "photos"
     for i, rel in enumerate(["train/r_0.png", "test/r_0.png", "top.png", "test/deeper/r_0.png"]):

@@ -124,3 +124,39 @@ def test_switches_read_yaml_bools_as_on_off():
     assert (p.fused_render, p.cuda_graph) == ("on", "off")
     assert ReconstructParams(kernels=False).kernels == "off"
     assert GaussianParams(random_background=True).random_background == "on"
+
+
+def test_early_stop_renders_what_the_dense_renderer_does_with_fewer_samples():
+    """Rendering views: the same colours as render_rays up to the light early stop leaves out (at
+    most EARLY_STOP_T per ray), on a field dense enough that most rays stop inside the box."""
+    from stages.reconstruct.nerf.render import EARLY_STOP_T, render_rays_early_stop
+
+    field = _field()
+    g = torch.Generator().manual_seed(3)
+    o = torch.tensor([[0.0, 0.0, -3.0]]).repeat(256, 1) + torch.randn(256, 3, generator=g) * 0.3
+    d = torch.nn.functional.normalize(torch.tensor([0.0, 0.0, 1.0]) + torch.randn(256, 3, generator=g) * 0.2, dim=-1)
+    grid = OccupancyGrid(field.aabb, resolution=8)
+    grid.mask.view(8, 8, 8)[:, :, :2] = False  # the first quarter of the box empty: skipped either way
+    for density in (1.0, 40.0):  # a faint field (no ray stops) and an opaque one
+
+        class Scaled(torch.nn.Module):  # the same field, `density` times as dense
+            aabb = field.aabb
+
+            def forward(self, x, d_enc=None):
+                sigma, rgb = field(x, d_enc=d_enc)
+                return sigma * density, rgb
+
+            def background_rgb(self):
+                return field.background_rgb()
+
+        with torch.no_grad():
+            dense = render_rays(Scaled(), grid, o, d, step_size=0.03, max_samples=96)
+            early = render_rays_early_stop(Scaled(), grid, o, d, step_size=0.03, max_samples=96, segment=16)
+        # float32 sums in another order (segments) add a few ulps to the light early stop leaves out
+        torch.testing.assert_close(early["rgb"], dense["rgb"], rtol=0, atol=EARLY_STOP_T + 1e-6)
+        torch.testing.assert_close(early["opacity"], dense["opacity"], rtol=0, atol=EARLY_STOP_T + 1e-6)
+        n_dense, n_early = int(dense["num_samples"]), int(early["num_samples"])
+        if density == 1.0:
+            assert dense["opacity"].max() < 0.99 and n_early == n_dense  # nothing to stop early
+        else:
+            assert (dense["opacity"] > 1 - EARLY_STOP_T).float().mean() > 0.5 and n_early < 0.8 * n_dense

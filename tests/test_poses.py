@@ -92,8 +92,9 @@ def test_sfm_writes_every_out(sfm, ingest):
     assert (doc["w"], doc["h"]) == (w, h) and len(set(intrs)) == 1  # one shared camera: camera_mode auto
     assert doc["camera_model"] == "PINHOLE" and doc["sfm_camera_model"] == "PINHOLE"
     assert m["camera_mode"] == "auto" and m["num_cameras"] == 1
-    # nerfstudio's keys: the points' file, and the SfM world -> this frame as 3x4
+    # nerfstudio's keys: the points' file, the SfM world -> this frame as 3x4, the split, the image ids
     assert doc["ply_file_path"] == "points3D.ply"
+    assert doc["test_filenames"] == doc["val_filenames"] == [f"images/{names[i]}" for i in (0, 8)]
     np.testing.assert_allclose(doc["applied_transform"], np.array(doc["normalization"])[:3], atol=0)
     g = m["geometry"]
     assert not g["degenerate"] and g["reasons"] == [] and g["baseline_ratio"] > 0.3 and g["behind_fraction"] == 0
@@ -105,6 +106,7 @@ def test_sfm_writes_every_out(sfm, ingest):
     # the normalization maps the SfM model's cameras onto transforms.json's
     S = np.array(doc["normalization"])
     by_name = {rec.image(i).name: rec.image(i) for i in rec.reg_image_ids()}
+    assert [f["colmap_im_id"] for f in doc["frames"]] == [by_name[n].image_id for n in names]
     w2c0 = np.vstack([by_name[names[0]].cam_from_world().matrix(), [0, 0, 0, 1]])
     np.testing.assert_allclose(C.apply_similarity_to_c2w(S, C.w2c_to_c2w(w2c0)), c2w[0], atol=1e-9)
     # the box holds most of the points, which sit among (below) the cameras
@@ -458,3 +460,93 @@ def test_robust_aabb_keeps_the_height_of_a_flat_capture():
     tops = np.c_[rng.uniform(-0.3, 0.3, (20, 2)), rng.uniform(0.0, 0.3, 20)]
     box = poses.robust_aabb(np.concatenate([ground, tops]), np.zeros((1, 3)))
     assert box[1][2] >= 0.3 and box[0][2] < 0.0
+
+
+def test_camera_groups_follow_the_exif_bodies_and_the_image_sizes():
+    names = ["a.png", "b.png", "c.png", "d.png"]
+    sizes = {"a.png": (40, 30), "b.png": (30, 40), "c.png": (40, 30), "d.png": (40, 30)}
+    pixel = {"make": "Google", "model": "Pixel 7a", "focal_length_mm": 4.38, "focal_length_35mm": 26.0}
+    exif = {"a.png": pixel, "b.png": pixel, "c.png": {**pixel, "focal_length_mm": 6.9}, "d.png": None}
+
+    def count(mode, ex=None):
+        return len(set(poses.camera_groups(mode, names, sizes, ex).values()))
+
+    assert count("single") == 1 and count("per_image") == 4 and count("per_size", exif) == 2
+    assert count("auto") == 2  # no EXIF: one camera per image size (portrait and landscape)
+    one_body = {n: pixel for n in names}
+    assert count("auto", one_body) == 2  # one phone, both orientations
+    g = poses.camera_groups("auto", names, sizes, exif)  # two focal lengths and a photo without EXIF
+    assert len(set(g.values())) == 4 and g["a.png"] != g["c.png"] != g["d.png"]
+    assert poses.exif_body(pixel) == ("Google", "Pixel 7a", 4.38) and poses.exif_body(None) is None
+
+
+def test_auto_cameras_in_the_database_follow_the_exif(tmp_path):
+    """The database import (image ids in name order) makes one camera per EXIF body here."""
+    import pycolmap
+
+    (tmp_path / "images").mkdir()
+    names = [f"{k}.png" for k in range(4)]
+    for k, n in enumerate(names):
+        Image.fromarray(np.random.default_rng(k).integers(0, 256, (30, 40, 3), dtype=np.uint8)).save(
+            tmp_path / "images" / n)
+    bodies = [{"make": "A", "model": "x", "focal_length_mm": 4.0}, {"make": "B", "model": "y", "focal_length_mm": 4.0}]
+    exif = {n: bodies[k % 2] for k, n in enumerate(names)}
+    sizes = poses.image_sizes(tmp_path / "images", names)
+    poses.import_sorted(pycolmap, tmp_path / "db.db", tmp_path / "images", names, sizes, poses.PosesParams(), None,
+                        exif)
+    db = pycolmap.Database.open(tmp_path / "db.db")
+    try:
+        images = sorted(db.read_all_images(), key=lambda im: im.image_id)
+        assert len(db.read_all_cameras()) == 2
+    finally:
+        db.close()
+    assert [im.name for im in images] == names
+    assert images[0].camera_id == images[2].camera_id != images[1].camera_id == images[3].camera_id
+
+
+def _geometry(**kw) -> dict:
+    g = {"num_registered": 20, "camera_spread": 5.2, "median_point_depth": 29.4, "baseline_ratio": 0.177,
+         "collinearity": 0.33, "behind_fraction": 0.0, "mean_reprojection_error_px": 1.15,
+         "focal_per_side": [0.81, 0.81]}  # fern's COLMAP model (a forward-facing capture), measured
+    return {**g, **kw}
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({}, None),
+    ({"baseline_ratio": 0.004}, "the cameras barely move"),
+    ({"collinearity": 2e-4}, "on one line"),
+    ({"behind_fraction": 0.4}, "40% of the point observations are behind"),
+    ({"mean_reprojection_error_px": 6.0}, "mean reprojection error 6.00 px"),
+    ({"focal_per_side": [0.05, 0.8]}, "implausible focal lengths"),
+    ({"focal_per_side": [0.8, 40.0]}, "implausible focal lengths"),
+    ({"num_registered": 2, "baseline_ratio": 0.0}, None),  # too few to judge
+])
+def test_degenerate_reasons(change, reason):
+    got = poses.degenerate_reasons(_geometry(**change))
+    assert got == [] if reason is None else (len(got) == 1 and reason in got[0]), got
+
+
+def test_model_geometry_of_a_rotation_only_model_with_points_behind():
+    """Cameras all at one spot turning about it (a panorama), half the points behind them."""
+    import pycolmap
+
+    rec = pycolmap.Reconstruction()
+    rec.add_camera_with_trivial_rig(pycolmap.Camera(camera_id=1, model="PINHOLE", width=40, height=30,
+                                                    params=[30.0, 30.0, 20.0, 15.0]))
+    rng = np.random.default_rng(0)
+    for k in range(6):
+        a = 0.2 * k
+        R = np.array([[np.cos(a), 0, np.sin(a)], [0, 1, 0], [-np.sin(a), 0, np.cos(a)]])
+        rec.add_image_with_trivial_frame(pycolmap.Image(name=f"{k}.png", camera_id=1, image_id=k + 1,
+                                                        keypoints=np.zeros((10, 2))),
+                                         pycolmap.Rigid3d(pycolmap.Rotation3d(R), np.zeros(3)))
+    for j in range(10):
+        track = pycolmap.Track()
+        track.add_element(1 + j % 6, j)
+        track.add_element(1 + (j + 1) % 6, j)
+        rec.add_point3D(np.r_[rng.uniform(-1, 1, 2), 5.0 if j % 2 else -5.0], track, np.zeros(3, np.uint8))
+    g = poses.model_geometry(rec)
+    assert g["num_registered"] == 6 and g["camera_spread"] == pytest.approx(0.0, abs=1e-9)
+    assert g["median_point_depth"] > 4 and 0.3 < g["behind_fraction"] < 0.7
+    reasons = poses.degenerate_reasons(g)
+    assert any("barely move" in r for r in reasons) and any("behind their camera" in r for r in reasons)

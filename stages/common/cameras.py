@@ -153,8 +153,10 @@ def write_transforms(
     files: list[str],
     c2w_cv: np.ndarray,
     extra: dict[str, Any] | None = None,
+    frame_extra: Sequence[dict[str, Any]] | None = None,
 ) -> dict:
-    """Write a nerfstudio / instant-ngp ``transforms.json`` (OpenGL ``transform_matrix``).
+    """Write a nerfstudio / instant-ngp ``transforms.json`` (OpenGL ``transform_matrix``);
+    ``extra``: more top-level keys, ``frame_extra``: more keys for each frame.
 
     ``intr``: one camera for every frame, or one per frame. Cameras that all agree are written
     once at the top level (``w h fl_x fl_y cx cy``); otherwise every frame carries its own
@@ -174,14 +176,24 @@ def write_transforms(
     doc.update({"k1": 0.0, "k2": 0.0, "p1": 0.0, "p2": 0.0})
     doc.update(extra or {})
     frames = []
-    for f, m, cam in zip(files, c2w_cv, cams):
+    for k, (f, m, cam) in enumerate(zip(files, c2w_cv, cams)):
         frame: dict[str, Any] = {"file_path": f, "transform_matrix": opencv_to_opengl(m).tolist()}
+        frame.update(frame_extra[k] if frame_extra else {})
         if not shared:
-            frame.update({k: _camera_keys(cam)[k] for k in FRAME_CAMERA_KEYS})
+            frame.update({key: _camera_keys(cam)[key] for key in FRAME_CAMERA_KEYS})
         frames.append(frame)
     doc["frames"] = frames
     atomic_write_json(path, doc)
     return doc
+
+
+def split_keys(split: dict[str, list[str]], folder: str = "images") -> dict[str, list[str]]:
+    """nerfstudio's split keys for ``split.json``'s split: ``train_filenames``, ``val_filenames``
+    and ``test_filenames`` (the test views for both: nerfstudio evaluates on "val" while it trains),
+    paths as the frames' ``file_path``."""
+    test = [f"{folder}/{n}" for n in split["test"]]
+    return {"train_filenames": [f"{folder}/{n}" for n in split["train"]], "val_filenames": test,
+            "test_filenames": list(test)}
 
 
 def frame_intrinsics(doc: dict, frame: dict, where: str) -> Intrinsics:

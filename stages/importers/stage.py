@@ -216,7 +216,8 @@ def run_import(params, ingest_dir: str | Path, out_dir: str | Path, metrics_path
         log.warning("not registered: %s: %s", name, why)
     names, cams = ingested_cameras(scene, regs)
     c2w = np.stack([scene.c2w[i] for _, _, i in regs])
-    kinds = list(dict.fromkeys(cams))  # one COLMAP camera per distinct camera, in sorted-name order
+    camera_id = {c: k + 1 for k, c in enumerate(dict.fromkeys(cams))}  # one per distinct camera, name order
+    kinds = list(camera_id)
     models = sorted({c.model for c in kinds})
     distorted = models != ["PINHOLE"]
     times = {"read": time.perf_counter() - t_start}
@@ -225,12 +226,12 @@ def run_import(params, ingest_dir: str | Path, out_dir: str | Path, metrics_path
         work = Path(tmp)
         t = time.perf_counter()
         rec = pycolmap.Reconstruction()
-        for k, cam in enumerate(kinds):
-            rec.add_camera_with_trivial_rig(pycolmap.Camera(camera_id=k + 1, model=cam.model, width=cam.width,
+        for cam, cid in camera_id.items():
+            rec.add_camera_with_trivial_rig(pycolmap.Camera(camera_id=cid, model=cam.model, width=cam.width,
                                                             height=cam.height, params=cam.colmap_params()))
         for k, (name, cam, T) in enumerate(zip(names, cams, c2w)):
             w2c = C.c2w_to_w2c(T)
-            rec.add_image_with_trivial_frame(pycolmap.Image(name=name, camera_id=kinds.index(cam) + 1, image_id=k + 1),
+            rec.add_image_with_trivial_frame(pycolmap.Image(name=name, camera_id=camera_id[cam], image_id=k + 1),
                                              pycolmap.Rigid3d(pycolmap.Rotation3d(w2c[:3, :3]), w2c[:3, 3]))
         for p, colour in zip(scene.points_xyz, scene.points_rgb):
             rec.add_point3D(p, pycolmap.Track(), colour)
@@ -252,20 +253,6 @@ def run_import(params, ingest_dir: str | Path, out_dir: str | Path, metrics_path
         c2w_n = C.apply_similarity_to_c2w(S, c2w)
         xyz_n = C.apply_similarity_to_points(S, scene.points_xyz)
         aabb, aabb_rule = scene_aabb(xyz_n, c2w_n, cams, scene.near_far, scene.aabb_scale, S)
-        background = _background([e for _, e, _ in regs], scene)
-        extra = {"camera_model": "PINHOLE", "source": params.source, "source_layout": scene.layout,
-                 "source_camera_model": ", ".join(models), "normalization": S.tolist(),
-                 "applied_transform": S[:3].tolist(), "ply_file_path": "points3D.ply", "aabb": aabb.tolist()}
-        if scene.aabb_scale is not None:
-            extra["aabb_scale"] = scene.aabb_scale
-        if background is not None:
-            extra["background"] = background
-        C.write_transforms(out / "transforms.json", intrs, [f"images/{n}" for n in names], c2w_n, extra=extra)
-        if len(xyz_n):
-            write_ply(out / "points3D.ply", xyz_n, scene.points_rgb)
-        else:
-            write_empty_ply(out / "points3D.ply")
-
         split, split_rule = None, f"every {params.test_every}th"
         if scene.split is not None:
             out_name = {scene.names[i]: name for name, _, i in regs}
@@ -278,6 +265,22 @@ def run_import(params, ingest_dir: str | Path, out_dir: str | Path, metrics_path
                 split = None
         split = split or make_split(names, params.test_every)
         atomic_write_json(out / "split.json", split)
+
+        background = _background([e for _, e, _ in regs], scene)
+        extra = {"camera_model": "PINHOLE", "source": params.source, "source_layout": scene.layout,
+                 "source_camera_model": ", ".join(models), "normalization": S.tolist(),
+                 "applied_transform": S[:3].tolist(), "ply_file_path": "points3D.ply", **C.split_keys(split),
+                 "aabb": aabb.tolist()}
+        if scene.aabb_scale is not None:
+            extra["aabb_scale"] = scene.aabb_scale
+        if background is not None:
+            extra["background"] = background
+        C.write_transforms(out / "transforms.json", intrs, [f"images/{n}" for n in names], c2w_n, extra=extra,
+                           frame_extra=[{"colmap_im_id": by_name[n].image_id} for n in names])
+        if len(xyz_n):
+            write_ply(out / "points3D.ply", xyz_n, scene.points_rgb)
+        else:
+            write_empty_ply(out / "points3D.ply")
 
         metrics: dict[str, Any] = {
             "source": params.source,

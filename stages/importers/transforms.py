@@ -135,6 +135,10 @@ def _read_points_ply(root: Path, rel: Any, where: Any) -> tuple[np.ndarray, np.n
     path = root / resolve_inside(root, rel, f"{where}, ply_file_path")
     if not path.is_file():
         raise _fail(where, f"ply_file_path {rel!r}: {path} does not exist")
+    with open(path, "rb") as fh:
+        header = fh.read(4096)
+    if b"\nelement vertex 0\n" in header.split(b"end_header")[0]:  # a point cloud without points (ours)
+        return np.zeros((0, 3)), np.zeros((0, 3), np.uint8)
     pcd = o3d.io.read_point_cloud(str(path))
     xyz = np.asarray(pcd.points, dtype=np.float64).reshape(-1, 3)
     if not len(xyz):

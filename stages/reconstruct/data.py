@@ -100,11 +100,12 @@ class PosedImages:
         for n, im, w, h in zip(names, images, cameras.width.tolist(), cameras.height.tolist()):
             if im.shape[:2] != (h, w):
                 raise ValueError(f"{n}: image is {im.shape[1]}x{im.shape[0]}, its camera says {w}x{h}")
-        sizes = torch.tensor([0] + [im.shape[0] * im.shape[1] for im in images], dtype=torch.int64)
-        c = channels.pop() if channels else 3
-        flat = [torch.from_numpy(np.ascontiguousarray(im)).reshape(-1, c) for im in images]
-        pixels = torch.cat(flat) if flat else torch.zeros(0, c, dtype=torch.uint8)
-        return cls(list(names), pixels, torch.cumsum(sizes, 0), c2w.float(), cameras)
+        offsets = torch.cumsum(torch.tensor([0] + [im.shape[0] * im.shape[1] for im in images]), 0)
+        pixels = torch.empty(int(offsets[-1]), channels.pop() if channels else 3, dtype=torch.uint8)
+        flat = pixels.numpy()
+        for im, a, b in zip(images, offsets[:-1].tolist(), offsets[1:].tolist()):
+            flat[a:b] = np.asarray(im).reshape(b - a, -1)  # one copy, into the buffer
+        return cls(list(names), pixels, offsets, c2w.float(), cameras)
 
     @property
     def channels(self) -> int:
@@ -200,8 +201,11 @@ def read_points_ply(path: Path) -> tuple[np.ndarray, np.ndarray]:
     if not all(k in names for k in "xyz"):
         raise ValueError(f"{path}: vertices need x, y and z properties, got {names}")
     if fmt == "ascii":
-        rows = body.decode("ascii").split("\n")[:count]
-        data = np.array([r.split()[:len(props)] for r in rows], dtype=np.float64).reshape(count, len(props))
+        rows = [r.split()[:len(props)] for r in body.decode("ascii", "replace").split("\n")[:count]]
+        try:
+            data = np.array(rows, dtype=np.float64).reshape(count, len(props))
+        except ValueError:
+            raise ValueError(f"{path}: {count} vertices of {len(props)} numbers announced, the rows disagree") from None
         col = {n: data[:, k] for k, n in enumerate(names)}
     elif fmt == "binary_little_endian":
         dtype = np.dtype([(n, "<" + t) for n, t in props])
@@ -243,7 +247,7 @@ def load_scene(poses_dir: str | Path, max_side: int = 0) -> Scene:
     by_name = {Path(f).name: (f, m, k) for f, m, k in zip(files, c2w, intrs)}
     shrunk: set[str] = set()
 
-    def take(names: list[str]) -> list:
+    def take(names: list[str]) -> tuple[list[np.ndarray], list[np.ndarray], list[Intrinsics]]:
         imgs, mats, cams = [], [], []
         for n in names:
             if n not in by_name:
@@ -259,17 +263,23 @@ def load_scene(poses_dir: str | Path, max_side: int = 0) -> Scene:
             imgs.append(_shrink(img, work))
             mats.append(m)
             cams.append(work)
-        return [names, imgs, mats, cams]
+        return imgs, mats, cams
 
-    parts = [take(split.get("train", [])), take(split.get("test", []))]
-    if not parts[0][0]:
+    names = {part: list(split.get(part, [])) for part in ("train", "test")}
+    parts = {part: take(n) for part, n in names.items()}
+    if not names["train"]:
         raise ValueError(f"{poses_dir}/split.json has no training views")
-    channels = max(im.shape[2] for _, imgs, _, _ in parts for im in imgs)
-    for part in parts:  # RGBA as soon as one image has alpha: opaque ones get alpha 255
-        part[1] = [im if im.shape[2] == channels else np.dstack([im, np.full(im.shape[:2], 255, np.uint8)])
-                   for im in part[1]]
-    train, test = (PosedImages.from_images(list(n), imgs, torch.from_numpy(np.stack(m) if m else np.zeros((0, 4, 4)))
-                                           .float(), Cameras.from_intrinsics(k)) for n, imgs, m, k in parts)
+    channels = max(im.shape[2] for imgs, _, _ in parts.values() for im in imgs)
+
+    def pack(part: str) -> PosedImages:
+        imgs, mats, cams = parts[part]
+        # RGBA as soon as one image has alpha: the opaque ones get alpha 255
+        imgs = [im if im.shape[2] == channels else np.dstack([im, np.full(im.shape[:2], 255, np.uint8)])
+                for im in imgs]
+        c2w = torch.from_numpy(np.stack(mats) if mats else np.zeros((0, 4, 4))).float()
+        return PosedImages.from_images(names[part], imgs, c2w, Cameras.from_intrinsics(cams))
+
+    train, test = pack("train"), pack("test")
     if shrunk:
         log.info("working resolution: images of %s shrunk to a longest side of %d px", ", ".join(sorted(shrunk)),
                  max_side)
