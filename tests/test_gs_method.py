@@ -184,3 +184,10 @@ def test_gpu_training_through_the_kernels_trains(tmp_path):
     assert res.rebinds >= 1 and res.skipped_steps == 0
     steps = {float(o.state[o.param_groups[0]["params"][0]]["step"]) for o in res.method.optimizers.values()}
     assert steps == {120.0}
+
+
+def test_cameras_at_one_point_are_refused(poses, one_thread):
+    scene = load_scene(poses)
+    scene.train.c2w[:, :3, 3] = 0.25  # every camera at the same spot
+    with pytest.raises(ValueError, match="degenerate scene: all 8 cameras sit at one point"):
+        train(gs_params({"steps": 2}), scene, torch.device("cpu"), 0, progress=False)
