@@ -96,7 +96,7 @@ def test_report_md_and_self_contained_html(pipeline):
     assert "No published numbers are recorded for scene 'unit'" in md
     assert "<h2>Reproduce</h2>" in page and "dvc repro" in md and "params_sha256" in md
     # the numbers a reader looks for
-    ev = json.loads((root / "metrics" / "evaluate.json").read_text())
+    ev = json.loads((root / "metrics" / "evaluate.full.json").read_text())  # the evaluate stage's full record
     assert f"{ev['psnr']:.2f} ± {ev['psnr_std']:.2f} dB" in page
     assert f"{ev['ssim']:.4f}" in page
     assert "every 2nd image in sorted-name order is a test view" in page
@@ -167,6 +167,7 @@ def test_missing_optional_inputs_and_errors(pipeline, capsys):
     page = out["html"].read_text()
     assert "train.csv not found" in page and "poses.json missing" in page
     (root / "metrics" / "evaluate.json").unlink()
+    (root / "metrics" / "evaluate.full.json").unlink()
     params = root / "params.yaml"
     params.write_text("report:\n  max_views: 2\n")
     assert report.main(_args(root) + ["--params", str(params)]) == 1
@@ -374,7 +375,7 @@ def test_empty_test_split_is_named(pipeline):
 
 def test_missing_orbit_is_named(pipeline):
     root = pipeline
-    ev = json.loads((root / "metrics" / "evaluate.json").read_text())
+    ev = json.loads((root / "metrics" / "evaluate.full.json").read_text())
     (root / "evaluate" / ev["orbit"]["file"]).unlink()
     with pytest.raises(ValueError, match=rf"{ev['orbit']['file']}: missing; evaluate.json names it"):
         report.run(report.ReportParams(max_views=1), root / "evaluate", root / "metrics",

@@ -126,7 +126,7 @@ class ReconstructParams:
     steps: int = 2500
     batch_rays: int = 4096
     eval_every: int = 250
-    tensorboard: bool = True  # scalars in <out>.tb/ while training, kept in <out>/tensorboard/ at the end
+    tensorboard: bool = True  # scalars in <out>.tb/<run name>/ (kept: `tensorboard --logdir <out>.tb` compares runs)
     nerf: NerfParams = field(default_factory=NerfParams)
     distributed: DistributedParams = field(default_factory=DistributedParams)
 
