@@ -654,9 +654,9 @@ def run(
     elsewhere = [sc for sc in scaling_docs if not same_scene(sc.get("scene"), scene)]
     if here:
         doc.h2("Scaling")
-        doc.para(f"Benchmark runs of this scene, measured apart from this run (which trained on "
-                 f"{ev.get('gpu_name') or ev.get('device') or 'n/a'}); the GPUs and the file of each table are "
-                 "named under it.")
+        doc.para(f"Benchmark runs of this scene (benchmarks/bench_scaling.py), not this run, which trained on "
+                 f"{ev.get('gpu_name') or ev.get('device') or 'n/a'}; each table names the GPUs it was measured "
+                 "on and its file.")
         for sc in here:
             _scaling_section(doc, sc, scene, method, titled=len(here) > 1)
     doc.h2("Environment")

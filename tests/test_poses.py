@@ -384,7 +384,7 @@ def _params_file(tmp_path: Path, poses_section: dict) -> Path:
 
 def test_params_file_section_loads():
     p = P.load_section(poses.PosesParams, "poses", Path(__file__).resolve().parents[1] / "params.yaml")
-    assert p.source == "sfm" and p.test_every == 8
+    assert p.source == "auto" and p.test_every == 8  # auto: SfM unless the ingest found a Blender folder
 
 
 def test_unknown_params_key_rejected(tmp_path, capsys):

@@ -330,6 +330,28 @@ def test_scaling_table_from_the_command_line(pipeline, capsys):
     assert "scaling file not found" in capsys.readouterr().err
 
 
+def test_other_scenes_scaling_only_in_an_appendix(pipeline):
+    """params.yaml's report.scaling (the committed 2xH200 runs of default, lego and fox): a report of
+    the default scene shows the default scene's tables under "Scaling" and the others only in the
+    closing appendix, which names their scene and GPUs; a scene with no runs has no "Scaling"."""
+    root = pipeline
+    results = Path(report.__file__).resolve().parents[1] / "benchmarks" / "results"
+    files = [results / f"scaling_{n}_2xH200.json" for n in ("weak", "strong", "lego_weak32k")]
+    args = (report.ReportParams(max_views=1), root / "evaluate", root / "metrics", root / "plots" / "train.csv",
+            root / "poses", root / "report")
+    md = report.run(*args, scene="default scene (generated)", scaling=files)["md"].read_text()
+    body, appendix = md.split("\n## Appendix: scaling measured on other scenes\n")
+    ours = body[body.index("\n## Scaling\n"):body.index("\n## Environment\n")]
+    assert ours.count("\n### default, nerf, ") == 2 and "lego" not in ours and "fox" not in ours
+    assert "not this run" in ours.lower() and "Measured on NVIDIA H200 GPUs" in ours
+    assert appendix.count("\n### lego, nerf, ") == 2 and appendix.count("\n### fox, nerf, ") == 1
+    assert "default, nerf" not in appendix and "Measured on NVIDIA H200 GPUs" in appendix
+    assert "Not this report's scene ('default scene (generated)') and not this run" in appendix
+    md = report.run(*args, scene="fern", scaling=files)["md"].read_text()
+    assert "\n## Scaling\n" not in md and md.count("\n### default, nerf, ") == 2  # all in the appendix
+    assert md.index("## Appendix: scaling measured on other scenes") > md.index("## All metrics")
+
+
 def test_reproduce_block_names_revision_seed_and_hash():
     ev = {"seed": 3, "device": "cuda", "gpu_name": "NVIDIA H200", "gpu_count": 2, "world_size": 2}
     env = {"code_revision": "abc123", "code_dirty": True, "params_sha256": "f" * 64,
