@@ -14,7 +14,6 @@ TensorBoard keeps one folder per run.
 """
 from __future__ import annotations
 
-import base64
 import json
 import re
 from pathlib import Path
@@ -25,7 +24,7 @@ from PIL import Image
 
 from stages import compare
 from _dvc_project import ROOT, TINY_PIPELINE, copy_pipeline, merge, optional_off, ran_stages, run
-from test_report_browser import Browser, find_chromium
+from test_report_browser import find_chromium, open_page
 
 # the e2e test's tiny pipeline with fewer views and steps: the baseline repro takes ~15 s on 2 cores
 SMALL = merge(TINY_PIPELINE, {"scene": {"views": 16},
@@ -186,7 +185,7 @@ def test_dvc_plots_page_is_offline_with_psnr_and_loss_apart(exp_repo: Path, tmp_
     exe = find_chromium()
     if exe is None:
         pytest.skip("no Chromium: the page's text was checked, not its rendering")
-    state = _render_plots(exe, page, tmp_path)
+    state = open_page(exe, page, tmp_path / "profile", tmp_path / "plots.png", PLOTS_STATE)
     assert len(state["views"]) == 2 and all(w > 200 and h > 100 for w, h in state["views"]), state
     assert state["requests"] == [page.resolve().as_uri()], state["requests"]  # nothing from a network
     with Image.open(tmp_path / "plots.png") as im:
@@ -198,28 +197,9 @@ def test_dvc_plots_page_is_offline_with_psnr_and_loss_apart(exp_repo: Path, tmp_
 PLOTS_STATE = """(async () => {
   const t0 = Date.now(), sel = '.vega-embed canvas.marks, .vega-embed svg.marks';
   while (document.querySelectorAll(sel).length < 2 && Date.now() - t0 < 20000) await new Promise(r => setTimeout(r, 100));
-  return Array.from(document.querySelectorAll(sel)).map(v => [v.getBoundingClientRect().width, v.getBoundingClientRect().height]);
+  return {views: Array.from(document.querySelectorAll(sel)).map(v => [v.getBoundingClientRect().width,
+                                                                     v.getBoundingClientRect().height])};
 })()"""
-
-
-def _render_plots(exe: str, page: Path, tmp_path: Path) -> dict:
-    browser = Browser(exe, tmp_path / "profile")
-    try:
-        target = browser.send("Target.createTarget", {"url": "about:blank"})["targetId"]
-        session = browser.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
-        browser.send("Network.enable", session=session)
-        browser.send("Page.enable", session=session)
-        browser.send("Page.navigate", {"url": page.resolve().as_uri()}, session=session)
-        browser.wait_event("Page.loadEventFired", session)
-        res = browser.send("Runtime.evaluate", {"expression": PLOTS_STATE, "awaitPromise": True,
-                                                "returnByValue": True}, session=session)
-        shot = browser.send("Page.captureScreenshot", {"format": "png"}, session=session)
-        (tmp_path / "plots.png").write_bytes(base64.b64decode(shot["data"]))
-        return {"views": res["result"]["value"],
-                "requests": [e["params"]["request"]["url"] for e in browser.events
-                             if e.get("method") == "Network.requestWillBeSent"]}
-    finally:
-        browser.close()
 
 
 # ---------------------------------------------------------------- without DVC: the parsing rules
