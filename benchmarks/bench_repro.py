@@ -40,6 +40,9 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from stages.common.metrics_files import read_metrics  # noqa: E402
 
 
 def set_key(params: dict, assignment: str) -> None:
@@ -157,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dvc repro in {r} ...", flush=True)
             times.append(run_repro(r, args.threads))
         a, b = (r / "data" for r in runs)
-        ev = [json.loads((d / "metrics" / "evaluate.json").read_text()) for d in (a, b)]
-        po = [json.loads((d / "metrics" / "poses.json").read_text()) for d in (a, b)]
+        ev = [read_metrics(d / "metrics" / "evaluate.json") for d in (a, b)]  # the full records
+        po = [read_metrics(d / "metrics" / "poses.json") for d in (a, b)]
         dpsnr = abs(ev[0]["psnr"] - ev[1]["psnr"])
         rows = [
             ("wall time (dvc repro)", f"{times[0]:.0f} s", f"{times[1]:.0f} s", ""),

@@ -55,7 +55,7 @@ timeout 240 python3 -m stages.reconstruct --poses "$POSES" --out /tmp/r1 --metri
   --plots "$OUT/train_gpu1.csv" --params "$OUT/params_gpu1.yaml" 2>&1 | grep -v "it/s\]" | tail -15
 timeout 120 python3 -m stages.evaluate --poses "$POSES" --model /tmp/r1 --out /tmp/e1 --metrics "$OUT/evaluate_gpu1.json" \
   --params "$OUT/params_gpu1.yaml" 2>&1 | tail -3
-python3 -c "import json; m=json.load(open('$OUT/evaluate_gpu1.json')); print({k: m.get(k) for k in ('psnr','ssim','fps','train_time_s','peak_gpu_memory_bytes','num_params','gpu_name')})"
+python3 -c "import json; m=json.load(open('$OUT/evaluate_gpu1.full.json')); print({k: m.get(k) for k in ('psnr','ssim','fps','train_time_s','peak_gpu_memory_bytes','num_params','gpu_name')})"
 fi
 
 if want scaling; then

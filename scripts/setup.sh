@@ -44,7 +44,7 @@ fi
 echo "setup: installing the project and its pinned dependencies into .venv (a few minutes the first time)"
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[dev]'
-.venv/bin/python -c "import torch, open3d, pycolmap, prefect, dvc, kornia, cuda.bindings" \
+.venv/bin/python -c "import torch, open3d, pycolmap, prefect, dvc, cuda.bindings, tensorboard" \
   || { echo "setup: an installed package fails to import (see above)" >&2; exit 1; }
 touch .venv/.installed
 echo "setup: done"

@@ -19,7 +19,10 @@ added for each such group.
 
 Not a DVC stage: it reads every experiment of the repository, not the outs of one run.
 Experiments keep their metrics only if the metrics files are tracked by git (``cache: false``
-outs that are not git-ignored); rows without metrics say so.
+outs that are not git-ignored); rows without metrics say so. ``dvc exp show`` gives the
+headline metrics; the figures beyond them (environment, samples/s, GPU, ...) come from each
+run's full records (``<name>.full.json``, ``stages.common.metrics_files``), read from git at
+the run's commit (the workspace row: from the working tree).
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ from PIL import Image, ImageDraw, ImageFont
 from stages import report as R
 from stages.common.entry import cli, run_stage
 from stages.common.io import atomic_dir, atomic_write_bytes, atomic_write_text, check_outs
+from stages.common.metrics_files import full_path
 from stages.common.plots import png_bytes
 
 log = logging.getLogger("compare")
@@ -60,6 +64,7 @@ class Run:
     timestamp: str | None = None
     params: dict[str, Any] = field(default_factory=dict)  # flattened: "reconstruct.steps" -> 1000
     metrics: dict[str, dict] = field(default_factory=dict)  # by file stem: "evaluate" -> {...}
+    metric_files: dict[str, str] = field(default_factory=dict)  # by file stem: "evaluate" -> its path
     error: str | None = None
 
     def metric(self, *keys: str) -> Any:
@@ -103,16 +108,17 @@ def _params(data: dict) -> dict[str, Any]:
     return out
 
 
-def _metrics(data: dict) -> tuple[dict[str, dict], list[str]]:
-    out, errors = {}, []
+def _metrics(data: dict) -> tuple[dict[str, dict], dict[str, str], list[str]]:
+    out, paths, errors = {}, {}, []
     for path, entry in (data.get("metrics") or {}).items():
         entry = entry or {}
         if entry.get("data"):
             out[Path(path).stem] = entry["data"]
+            paths[Path(path).stem] = path
         elif entry.get("error"):
             err = entry["error"]
             errors.append(f"{path}: {err.get('type', 'error')}" if isinstance(err, dict) else f"{path}: {err}")
-    return out, errors
+    return out, paths, errors
 
 
 def _error_text(err: Any) -> str | None:
@@ -125,13 +131,13 @@ def _error_text(err: Any) -> str | None:
 
 def _run_from(entry: dict, name: str, kind: str, baseline_rev: str) -> Run:
     data = entry.get("data") or {}
-    metrics, metric_errors = _metrics(data)
+    metrics, metric_files, metric_errors = _metrics(data)
     error = _error_text(entry.get("error"))
     if not metrics and metric_errors:
         error = "; ".join(([error] if error else []) + ["no metrics: " + ", ".join(metric_errors)])
     rev = entry.get("rev") or data.get("rev") or "?"
     return Run(name=name, rev=rev, kind=kind, baseline_rev=baseline_rev, timestamp=data.get("timestamp"),
-               params=_params(data), metrics=metrics, error=error)
+               params=_params(data), metrics=metrics, metric_files=metric_files, error=error)
 
 
 def parse_exp_show(doc: Any) -> list[Run]:
@@ -168,6 +174,34 @@ def parse_exp_show(doc: Any) -> list[Run]:
             ws.baseline_rev = head or ws.baseline_rev  # uncommitted changes on top of HEAD (listed first)
             runs.insert(0, ws)
     return runs
+
+
+def _full_record_text(repo: Path, run: Run, path: str) -> str | None:
+    if run.rev == "workspace":
+        file = repo / path
+        return file.read_text(encoding="utf-8") if file.is_file() else None
+    p = subprocess.run(["git", "show", f"{run.rev}:./{path}"], cwd=repo, capture_output=True, text=True, check=False)
+    return p.stdout if p.returncode == 0 else None
+
+
+def add_full_records(runs: list[Run], repo: str | Path) -> None:
+    """Lay each run's full metrics records under its headline metrics (in place).
+
+    ``dvc exp show`` reads only the headline files; their ``<name>.full.json`` comes from git
+    at the run's commit (every experiment is one), or from the working tree for the workspace.
+    A run without one (metrics from before the split) keeps its headline alone.
+    """
+    repo = Path(repo)
+    for run in runs:
+        for stem, path in run.metric_files.items():
+            text = _full_record_text(repo, run, full_path(path).as_posix())
+            try:
+                doc = json.loads(text) if text else None
+            except json.JSONDecodeError:
+                log.warning("%s at %s: not valid JSON; only the headline metrics are used", full_path(path), run.name)
+                continue
+            if isinstance(doc, dict):
+                run.metrics[stem] = {**doc, **run.metrics[stem]}
 
 
 def dvc_exp_show(repo: str | Path, all_commits: bool = False, revs: list[str] | None = None) -> list:
@@ -517,6 +551,8 @@ def run(out_dir: str | Path, repo: str | Path = ".", all_commits: bool = False, 
     runs = parse_exp_show(doc)
     if not runs:
         raise ValueError(f"{source}: no commits or experiments to compare")
+    if from_json is None:
+        add_full_records(runs, repo)
     no_metrics = [r.name for r in runs if not r.metrics]
     if no_metrics:
         log.warning("no metrics for %s: metrics files that git ignores are not kept with experiments "

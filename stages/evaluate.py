@@ -19,10 +19,13 @@ Reads the test views named in ``<poses>/split.json`` (each with its own camera f
   height and distance from the centre of the scene box, looking at that centre, with
   the longest side ``evaluate.orbit_size`` pixels. When the cameras cover less than half
   a turn (a forward-facing capture), the orbit swings across the arc they cover instead;
-* ``<metrics>``: the summary for ``dvc metrics``, flat (``psnr``, ``psnr_std``, ``ssim``,
-  ``ssim_std``, ``lpips``, ``fps``, ...), the training figures of ``<model>/summary.json``,
-  ``model_size_bytes``, an ``orbit`` block and an ``environment`` block (library versions,
-  GPU and driver, code revision, a hash of the params that produced the numbers).
+* ``<metrics>``: the headline for ``dvc metrics`` / ``dvc exp show``: ``psnr``, ``ssim``,
+  ``lpips`` (when computed) and ``fps``;
+* ``<metrics stem>.full.json`` beside it (``stages.common.metrics_files``): everything, flat
+  (``psnr``, ``psnr_std``, ``ssim``, ``ssim_std``, ``lpips``, ``fps``, ...), the training figures
+  of ``<model>/summary.json``, ``model_size_bytes``, an ``orbit`` block and an ``environment``
+  block (library versions, GPU and driver, code revision and whether the sources differ from
+  it, a hash of the params that produced the numbers).
 
 PSNR and SSIM (``stages.common.metrics``; SSIM as in the 3DGS evaluation) are computed
 on the model's float render clamped to [0, 1] against the 8-bit ground truth / 255 (an RGBA
@@ -60,6 +63,7 @@ from stages.common.cameras import Intrinsics, read_transforms
 from stages.common.entry import cli, run_stage
 from stages.common.fingerprint import data_fingerprint, short
 from stages.common.io import atomic_dir, atomic_write_bytes, atomic_write_json, check_outs, read_json, remove_outs
+from stages.common.metrics_files import remove_metrics, write_metrics
 from stages.common.plots import encode_animation
 from stages.common.params import DEFAULT_PARAMS, check, load_section, read_yaml
 
@@ -71,8 +75,9 @@ MODEL_FILES = ("model.pt", "summary.json")
 SUMMARY_KEYS = ("method", "steps", "train_time_s", "peak_gpu_memory_bytes", "num_params", "device", "gpu_name",
                 "gpu_count", "world_size", "samples_per_s", "seed")
 PARAMS_HASH_SECTIONS = ("seed", "reconstruct", "evaluate")
+HEADLINE = ("psnr", "ssim", "lpips", "fps")  # what `dvc metrics show` tabulates; the rest is in <stem>.full.json
 # distributions whose versions go into the environment block (None where not installed)
-LIBRARIES = ("torch", "numpy", "pillow", "pyyaml", "cuda-python", "kornia", "pycolmap", "dvc")
+LIBRARIES = ("torch", "numpy", "pillow", "pyyaml", "cuda-python", "pycolmap", "dvc")
 ORBIT_FRAME_MS = 80  # display time of one orbit frame
 # the CPU profile of max_test_views / resolution_scale "auto": 80 photos at 800x600 on 2 cores
 # must go from photos to report in 30 minutes (issue 18), and one 800x600 view took minutes
@@ -228,22 +233,81 @@ def check_same_data(summary: dict, model_dir: Path, poses_dir: Path) -> None:
 # ---------------------------------------------------------------- environment
 
 
-def _git(*args: str) -> str | None:
+def _git(*args: str, strip: bool = True) -> str | None:
     try:
         res = subprocess.run(["git", "--no-optional-locks", "-C", str(REPO_ROOT), *args],
                              capture_output=True, text=True, timeout=20, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
-    return res.stdout.strip() if res.returncode == 0 else None
+    if res.returncode != 0:
+        return None
+    return res.stdout.strip() if strip else res.stdout
+
+
+def pipeline_outputs(root: Path = REPO_ROOT) -> set[str]:
+    """Paths (relative to ``root``) that ``dvc repro`` itself writes and git may track.
+
+    ``dvc.lock`` and every out, metric and plot of ``root/dvc.yaml``'s stages (the uncached
+    ones are git-tracked on purpose), and the ``.gitignore`` that DVC keeps beside a cached
+    out. By the time this stage runs, DVC has rewritten them for the stages before it.
+    """
+    paths = {"dvc.lock"}
+    try:
+        doc = read_yaml(root / "dvc.yaml")
+    except ValueError:
+        return paths
+    stages = doc.get("stages") if isinstance(doc.get("stages"), dict) else {}
+    for stage in stages.values():
+        for key in ("outs", "metrics", "plots"):
+            entries = stage.get(key) if isinstance(stage, dict) else None
+            for entry in entries if isinstance(entries, list) else []:
+                path, opts = (entry, {}) if isinstance(entry, str) else next(iter(entry.items()))
+                if not isinstance(path, str) or "${" in path:
+                    continue
+                path = path.strip("/")
+                paths.add(path)
+                if (opts or {}).get("cache", True):
+                    paths.add(f"{Path(path).parent.as_posix()}/.gitignore".removeprefix("./"))
+    return paths
+
+
+def changed_files() -> list[str] | None:
+    """Tracked files that differ from HEAD (index or work tree), relative to :data:`REPO_ROOT`;
+    None when git cannot tell."""
+    status = _git("status", "--porcelain", "-z", "--untracked-files=no", strip=False)
+    prefix = _git("rev-parse", "--show-prefix")
+    if status is None or prefix is None:
+        return None
+    entries = status.split("\0")
+    files, i = [], 0
+    while i < len(entries):
+        entry = entries[i]
+        i += 1
+        if len(entry) < 4:
+            continue
+        if entry[0] in "RC":  # a rename or copy: the next entry is the source path
+            i += 1
+        files.append(entry[3:])
+    return sorted(f.removeprefix(prefix) for f in files if f.startswith(prefix))
 
 
 def code_revision() -> dict:
-    """``{"commit": sha or None, "dirty": bool or None}``; dirty = tracked files differ from HEAD."""
+    """``{"commit", "dirty", "dirty_files", "params_modified"}`` of the code that made the numbers.
+
+    ``dirty``: tracked source files differ from the commit, not counting what the pipeline
+    writes itself (:func:`pipeline_outputs`: ``dvc.lock``, metrics, plots) nor ``params.yaml``,
+    whose change (``dvc exp run -S``) ``params_modified`` reports and ``params_sha256`` pins.
+    ``dirty_files``: those sources (the first 20). None where git cannot tell.
+    """
     commit = _git("rev-parse", "--verify", "HEAD")
-    if not commit:
-        return {"commit": None, "dirty": None}
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": commit, "dirty": None if status is None else bool(status)}
+    files = changed_files() if commit else None
+    if files is None:
+        return {"commit": commit, "dirty": None, "dirty_files": None, "params_modified": None}
+    ours = pipeline_outputs()
+    sources = [f for f in files if f != str(DEFAULT_PARAMS)
+               and not any(f == o or f.startswith(o + "/") for o in ours)]
+    return {"commit": commit, "dirty": bool(sources), "dirty_files": sources[:20],
+            "params_modified": str(DEFAULT_PARAMS) in files}
 
 
 def params_sha256(params_path: str | Path | None) -> str | None:
@@ -293,6 +357,8 @@ def environment(params_path: str | Path | None) -> dict:
         "platform": platform.platform(),
         "code_revision": rev["commit"],
         "code_dirty": rev["dirty"],
+        "code_dirty_files": rev["dirty_files"],
+        "params_modified": rev["params_modified"],
         "params_sha256": params_sha256(params_path),
         "params_sha256_of": "canonical JSON of params.yaml sections " + "+".join(PARAMS_HASH_SECTIONS),
         "libraries": library_versions(),
@@ -455,7 +521,7 @@ def run(
         poses_dir: the poses stage's out (``transforms.json``, ``split.json``, ``images/``).
         model_dir: the reconstruct stage's out (``model.pt``, ``summary.json``).
         out_dir: this stage's out folder (replaced atomically).
-        metrics_path: the metrics JSON.
+        metrics_path: the headline metrics JSON; the full record goes beside it (``.full.json``).
         model: an object with the ``TrainedModel`` interface (``render``, ``method``,
             ``num_params``, ``device``); loaded from ``model_dir`` when None. With a model
             given, only ``summary.json`` is needed in ``model_dir``.
@@ -468,6 +534,7 @@ def run(
                 "evaluate.lpips_backbone": params.lpips_backbone or None,
                 "evaluate.lpips_linear": params.lpips_linear or None}, outs)
     remove_outs(outs)  # as dvc repro does: a failed run leaves no stale renders or metrics
+    remove_metrics(metrics_path)  # and the full record beside the headline file
     views = load_test_views(poses_dir)
     summary = read_summary(model_dir, need_weights=model is None)
     check_same_data(summary, model_dir, poses_dir)
@@ -529,7 +596,7 @@ def run(
                             None if lpips is None else f"v0.1 {params.lpips_net}")
         metrics.update({"num_test_views_in_split": in_split, "resolution_scale": scale, "eval_profile": how})
         atomic_write_json(tmp / "metrics.json", ns_eval_results(per_view, metrics, model_dir))
-    atomic_write_json(metrics_path, metrics)
+    write_metrics(metrics_path, metrics, HEADLINE)
     return metrics
 
 

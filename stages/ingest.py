@@ -19,11 +19,18 @@ name then keeping its folders, e.g. ``train/r_0.png``), in name order:
   and copied to ``<out>/ground_truth.json``, its frames restricted to the ingested photos
   (renamed to their output names) and its intrinsics rescaled to the written size.
 
+A Blender / nerf_synthetic folder (``transforms_train.json`` beside a ``train/`` folder) is
+recognised: with ``recursive: auto`` its ``train/`` and ``test/`` folders are read (``val/`` is
+skipped: the poses stage imports the train and test cameras), with ``alpha: auto`` its RGBA
+views are composited on white (how the scenes are scored), and the manifest's ``layout``
+names the folder, so that the poses stage can import its cameras (``poses.source: auto``)
+without naming it again. Elsewhere ``auto`` means ``recursive: false`` and ``alpha: drop``.
+
 ``<out>/manifest.json`` lists the images (output file, source, size, sha256 of the PNG,
 EXIF orientation, and the EXIF camera body and focal length where the photo has them, which
-the poses stage's ``camera_mode: auto`` groups cameras by) and the skipped files. The out folder
-is built aside and swapped in on success, so an error leaves no outs; an out that is the photo
-folder, above it or inside it is refused before anything is touched.
+the poses stage's ``camera_mode: auto`` groups cameras by), the skipped files and the recognised
+``layout`` (or null). The out folder is built aside and swapped in on success, so an error leaves
+no outs; an out that is the photo folder, above it or inside it is refused before anything is touched.
 
 Usage::
 
@@ -32,6 +39,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import io
 import json
@@ -55,6 +63,8 @@ IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".tif", ".tiff", ".bmp", ".webp"}
 # Photo formats people bring that Pillow cannot read without plugins: say so, not just "not an image".
 CONVERT_FIRST_EXTS = {".heic", ".heif", ".avif", ".dng", ".cr2", ".cr3", ".nef", ".arw", ".orf", ".rw2", ".raf"}
 GROUND_TRUTH = "ground_truth.json"
+BLENDER_CAMERAS = "transforms_train.json"  # with a train/ folder beside it: the Blender / nerf_synthetic layout
+BLENDER_SPLITS = ("train", "test")  # the subfolders of that layout whose cameras the poses stage imports
 EXIF_ORIENTATION = 0x0112
 # EXIF tags of the camera that took a photo: Make and Model (base IFD), FocalLength and
 # FocalLengthIn35mmFilm (Exif sub-IFD)
@@ -68,12 +78,13 @@ class IngestParams:
     photos: str = "data/scene/images"  # the photo folder (dvc.yaml passes it as --photos too)
     max_size: int = 0  # longest side after ingest; 0 keeps the photos' size
     min_images: int = 3
-    # also ingest the subfolders' photos (e.g. a Blender layout's train/ and test/)
-    recursive: bool = False
-    # what becomes of an alpha channel: drop it (keep the colour), composite on white / black
-    # (white for the nerf_synthetic / Blender scenes), or keep it (RGBA PNGs, for training on random
-    # backgrounds)
-    alpha: Literal["drop", "white", "black", "keep"] = "drop"
+    # also ingest the subfolders' photos (e.g. a Blender layout's train/ and test/);
+    # auto: for a Blender layout only
+    recursive: bool | Literal["auto"] = "auto"
+    # what becomes of an alpha channel: drop it (keep the colour), composite on white / black, or
+    # keep it (RGBA PNGs, for training on random backgrounds); auto: white for a Blender /
+    # nerf_synthetic layout, else drop
+    alpha: Literal["auto", "drop", "white", "black", "keep"] = "auto"
 
     def __post_init__(self) -> None:
         P.check(bool(self.photos.strip()), "photos", "must name a folder", self.photos)
@@ -270,6 +281,41 @@ def restrict_ground_truth(gt: dict, path: Path, images: list[dict]) -> dict:
     return {**gt, "intrinsics": intr, "frames": frames}
 
 
+# ---------------------------------------------------------------- folder layouts
+
+
+def blender_layout(photos_dir: Path) -> bool:
+    """Whether ``photos_dir`` is a Blender / nerf_synthetic scene: ``transforms_train.json`` and ``train/``."""
+    return (photos_dir / BLENDER_CAMERAS).is_file() and (photos_dir / "train").is_dir()
+
+
+def resolve_auto(params: IngestParams, photos_dir: Path, log: logging.Logger) -> tuple[IngestParams, dict | None]:
+    """``params`` with ``auto`` settings decided by the folder's layout, and the layout for the manifest.
+
+    The layout record, ``{"kind": "blender", "folder": <photos_dir as given>, "camera_file": ...,
+    "camera_files_sha256": {name: sha256}, "subfolders": [...] or None}``, is what ``poses.source:
+    auto`` reads; None for any other folder. The camera files' hashes make the manifest, and so
+    DVC's hash of this out, change when they do, so the poses stage reruns. ``subfolders``: with
+    ``recursive: auto``, the only ones read (:data:`BLENDER_SPLITS`).
+    """
+    blender = blender_layout(photos_dir)
+    chosen = {}
+    if params.recursive == "auto":
+        chosen["recursive"] = blender
+    if params.alpha == "auto":
+        chosen["alpha"] = "white" if blender else "drop"
+    if blender and chosen:
+        log.info("%s is a Blender / nerf_synthetic folder (%s + train/): %s (ingest.%s: auto)", photos_dir,
+                 BLENDER_CAMERAS, ", ".join(f"{k}: {str(v).lower()}" for k, v in chosen.items()),
+                 " / ingest.".join(chosen))
+    layout = None
+    if blender:
+        cameras = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(photos_dir.glob("transforms_*.json"))}
+        layout = {"kind": "blender", "folder": photos_dir.as_posix(), "camera_file": (photos_dir / BLENDER_CAMERAS).as_posix(),
+                  "camera_files_sha256": cameras, "subfolders": list(BLENDER_SPLITS) if chosen.get("recursive") else None}
+    return dataclasses.replace(params, **chosen), layout
+
+
 # ---------------------------------------------------------------- stage
 
 
@@ -326,6 +372,7 @@ def run(params: IngestParams, photos_dir: str | Path, out_dir: str | Path, log: 
             raise ValueError(f"photo folder not found: {photos_dir}")
         if not photos_dir.is_dir():
             raise ValueError(f"photo folder is not a folder: {photos_dir}")
+        params, layout = resolve_auto(params, photos_dir, log)
         entries = list_photos(photos_dir, params.recursive)
         if not entries:
             raise ValueError(f"photo folder is empty: {photos_dir}")
@@ -335,7 +382,12 @@ def run(params: IngestParams, photos_dir: str | Path, out_dir: str | Path, log: 
         seen: dict[str, str] = {}  # sha256 of source bytes -> first source
         used: set[str] = set()
         gt_path = None
+        only = layout.get("subfolders") if layout else None
         for name, path in entries:
+            if only and "/" in name and name.split("/", 1)[0] not in only:
+                _skip(skipped, name, f"not in the Blender layout's {' or '.join(only)} folders "
+                      "(whose cameras the poses stage imports)", log)
+                continue
             if path.is_dir():
                 _skip(skipped, name, "a link to a folder (not followed)" if params.recursive
                       else "a folder (subfolders are not searched; ingest.recursive: true would)", log)
@@ -390,7 +442,7 @@ def run(params: IngestParams, photos_dir: str | Path, out_dir: str | Path, log: 
             raise ValueError(
                 f"found {len(images)} readable image(s) in {photos_dir}, need at least {params.min_images} "
                 f"(ingest.min_images); skipped files: {why}")
-        manifest: dict[str, Any] = {"images": images, "skipped": skipped, "ground_truth": None}
+        manifest: dict[str, Any] = {"images": images, "skipped": skipped, "ground_truth": None, "layout": layout}
         if gt_path is not None:
             full = read_ground_truth(gt_path)
             gt = restrict_ground_truth(full, gt_path, images)

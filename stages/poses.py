@@ -14,8 +14,10 @@ Reads ``<ingest>/manifest.json`` and ``<ingest>/images/*.png`` and writes ``<out
 * ``points3D.ply``: the sparse points with colours, normalized frame,
 * ``split.json``: every ``test_every``-th registered image (sorted by name) is a test view,
 
-and the metrics file (registration, reprojection error, track length, step times and, when
-``<ingest>/ground_truth.json`` exists, the pose error after a similarity alignment).
+and the metrics: the headline (registered images, reprojection error and, when
+``<ingest>/ground_truth.json`` exists, the pose error after a similarity alignment) in the
+metrics file, and everything (track length, step times, the registered and unregistered
+images, ...) in ``<metrics stem>.full.json`` beside it (``stages.common.metrics_files``).
 
 Options (params.yaml ``poses``): SIFT on the GPU when pycolmap has CUDA (``device``), at most
 ``max_features`` per image, optionally on images shrunk to ``sift_max_size``; exhaustive or
@@ -38,9 +40,11 @@ versions gave bit-identical models in repeated runs on the CPU (GPU SIFT is not 
 
 Imports (``source: colmap | transforms | llff``): no SfM; the cameras come from
 ``camera_file`` (a COLMAP model, a ``transforms.json`` / Blender folder, or LLFF's
-``poses_bounds.npy``), are matched to the ingested images by source name (LLFF: sorted-name
-order) and written as the same outs, with a given train/test split kept
-(``stages/importers/``, docs/contracts.md).
+``poses_bounds.npy``; for ``transforms`` left empty: the Blender folder the ingest stage
+recognised, its manifest's ``layout``), are matched to the ingested images by source name
+(LLFF: sorted-name order) and written as the same outs, with a given train/test split kept
+(``stages/importers/``, docs/contracts.md). ``source: auto``, the default, imports a
+Blender / nerf_synthetic folder's cameras that way and runs SfM on any other photos.
 
 Usage::
 
@@ -49,6 +53,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import shutil
@@ -63,7 +68,8 @@ import numpy as np
 from .common import cameras as C
 from .common import params as P
 from .common.entry import cli, run_stage
-from .common.io import atomic_dir, atomic_write_json, check_outs, remove
+from .common.io import atomic_dir, atomic_write_json, check_outs
+from .common.metrics_files import remove_metrics, write_metrics
 from .common.log import setup
 
 log = logging.getLogger("stages.poses")
@@ -85,15 +91,19 @@ MIN_COLLINEARITY = 1e-3  # second / first singular value of the centred camera c
 MAX_BEHIND_FRACTION = 0.1  # observations with the point behind the camera
 MAX_REPROJECTION_PX = 4.0  # mean reprojection error (COLMAP filters observations above 4 px)
 FOCAL_RANGE = (0.2, 20.0)  # focal length / longest image side: fields of view of 136 to 2.9 degrees
+# the metrics `dvc metrics show` tabulates (the pose errors only with a ground truth); the rest is in .full.json
+METRICS_HEADLINE = ("num_registered", "mean_reprojection_error_px", "center_error_mean", "rotation_error_mean_deg")
 
 
 @dataclass(frozen=True)
 class PosesParams:
     """``poses`` section of params.yaml."""
 
-    source: Literal["sfm", "colmap", "transforms", "llff"] = "sfm"
+    # auto: transforms for a Blender / nerf_synthetic folder the ingest recognised, else sfm
+    source: Literal["auto", "sfm", "colmap", "transforms", "llff"] = "auto"
     # for the import sources: a COLMAP model folder, a transforms.json (or a Blender folder with
-    # transforms_train.json) or a poses_bounds.npy; relative to the working directory
+    # transforms_train.json) or a poses_bounds.npy; relative to the working directory; with
+    # transforms, "" takes the Blender folder the ingest recognised
     camera_file: str = ""
     camera_model: CameraModel = "PINHOLE"
     max_features: int = 8192
@@ -135,7 +145,7 @@ class PosesParams:
     def __post_init__(self) -> None:
         P.check(self.source not in NOT_IMPLEMENTED_SOURCES, "source",
                 "not implemented yet (only 'sfm' is available for now)", self.source)
-        P.check(self.source not in IMPORT_SOURCES or bool(self.camera_file.strip()), "camera_file",
+        P.check(self.source not in ("colmap", "llff") or bool(self.camera_file.strip()), "camera_file",
                 f"must name the camera file to import with source {self.source!r}", self.camera_file)
         P.check(self.max_features >= 256, "max_features", "must be >= 256", self.max_features)
         P.check(self.sequential_overlap >= 1, "sequential_overlap", "must be >= 1", self.sequential_overlap)
@@ -210,6 +220,27 @@ def read_ingest(ingest_dir: Path, allow_mixed_sizes: bool = False) -> tuple[list
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"{gt_path}: cannot read ground truth ({exc})") from None
     return sorted(names), gt
+
+
+def resolve_source(params: PosesParams, ingest_dir: Path) -> PosesParams:
+    """``params`` with ``source: auto`` and an empty ``camera_file`` for ``transforms`` decided from
+    the ingest manifest's ``layout`` (a Blender / nerf_synthetic folder, see stages/ingest.py)."""
+    if params.source not in ("auto", "transforms") or (params.source == "transforms" and params.camera_file.strip()):
+        return params
+    try:
+        layout = json.loads((ingest_dir / "manifest.json").read_text()).get("layout")
+    except (OSError, json.JSONDecodeError, AttributeError) as exc:
+        raise ValueError(f"{ingest_dir / 'manifest.json'}: cannot read the ingest manifest ({exc!r})") from None
+    folder = layout.get("folder") if isinstance(layout, dict) and layout.get("kind") == "blender" else None
+    if params.source == "auto" and folder is None:
+        log.info("poses.source: auto -> sfm (the photos are not a Blender / nerf_synthetic folder)")
+        return dataclasses.replace(params, source="sfm")
+    if folder is None:
+        raise P.ParamsError("poses.camera_file: must name the camera file to import with source 'transforms' "
+                            "(the ingest found no Blender / nerf_synthetic folder to take it from)")
+    log.info("poses.source: %s -> transforms, camera_file: %s (the Blender / nerf_synthetic folder the ingest "
+             "stage read)", params.source, folder)
+    return dataclasses.replace(params, source="transforms", camera_file=folder)
 
 
 # ---------------------------------------------------------------- COLMAP steps
@@ -647,6 +678,7 @@ def _intrinsics(camera) -> C.Intrinsics:
 def run(params: PosesParams, ingest_dir: str | Path, out_dir: str | Path, metrics_path: str | Path,
         seed: int = 0) -> dict:
     """Run SfM on the ingested images and write the outs; returns the metrics."""
+    params = resolve_source(params, Path(ingest_dir))
     check_outs({"--ingest": ingest_dir, "poses.camera_file": params.camera_file or None},
                {"--out": out_dir, "--metrics": metrics_path})
     if params.source in IMPORT_SOURCES:  # cameras from another tool's files: no SfM
@@ -663,7 +695,7 @@ def run(params: PosesParams, ingest_dir: str | Path, out_dir: str | Path, metric
     sizes = image_sizes(image_dir, names)
     exif = read_exif_cameras(ingest_dir)
     groups = camera_groups(params.camera_mode, names, sizes, exif)
-    remove(metrics_path)  # a failed run must not leave the previous run's numbers behind
+    remove_metrics(metrics_path)  # a failed run must not leave the previous run's numbers behind
     if log.getEffectiveLevel() > logging.DEBUG:
         pycolmap.logging.minloglevel = 1  # COLMAP's per-image INFO lines only at DEBUG
     t_start = time.perf_counter()
@@ -815,7 +847,7 @@ def run(params: PosesParams, ingest_dir: str | Path, out_dir: str | Path, metric
         metrics["other_models"] = other_models
         times["total"] = time.perf_counter() - t_start
         metrics["time_s"] = {k: round(v, 3) for k, v in times.items()}
-    atomic_write_json(metrics_path, metrics)
+    write_metrics(metrics_path, metrics, METRICS_HEADLINE)
     log.info("poses: %d/%d registered, %d points, reprojection %.2f px, track %.1f, %.1f s -> %s",
              len(registered), len(names), metrics["num_points"], metrics["mean_reprojection_error_px"],
              metrics["mean_track_length"], times["total"], out_dir)

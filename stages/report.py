@@ -15,8 +15,11 @@ offline and can be mailed or attached as a CI/Prefect artifact on its own. Conte
 * for up to ``report.max_views`` test views a row ground truth | render | error heatmap;
 * the orbit animation of the evaluate stage, the training curves of ``train.csv``;
 * with ``report.scaling`` files (params.yaml) and ``--scaling`` ones (repeatable: e.g. weak and
-  strong scaling), a scaling table over runs at several GPU counts per file (:func:`scaling_rows`);
-* the environment, how to reproduce the run exactly, and every scalar of the metrics files.
+  strong scaling), a scaling table over runs at several GPU counts per file (:func:`scaling_rows`):
+  those of this report's scene in a "Scaling" section, each saying where it was measured, and
+  those of other scenes only in a closing appendix that names their scene and GPUs;
+* the environment, how to reproduce the run exactly, and every scalar of the metrics (the full
+  records, ``<name>.full.json``: ``stages.common.metrics_files``).
 
 The pictures are drawn by ``stages.common.plots``. The last line printed by ``main`` is
 ``Report: <absolute path of report.html>``.
@@ -41,7 +44,8 @@ from PIL import Image
 
 from stages.common.entry import cli, run_stage
 from stages.common.io import atomic_dir, atomic_write_bytes, atomic_write_text, check_outs, read_json
-from stages.common.params import DEFAULT_PARAMS, check, load_section, read_yaml
+from stages.common.metrics_files import full_path, read_metrics
+from stages.common.params import DEFAULT_PARAMS, check, from_dict, load_section, read_yaml
 from stages.common.plots import ERROR_MAX, MIME, png_bytes, training_curve, view_row
 
 log = logging.getLogger("report")
@@ -241,6 +245,16 @@ def read_train_csv(path: Path) -> dict[str, list[float]]:
 
 
 # ---------------------------------------------------------------- numbers and text
+
+
+def _read_metrics(path: Path, required: bool) -> Any:
+    """A stage's full metrics record (``<name>.full.json``, else the headline ``<name>.json``)."""
+    if not path.is_file() and not full_path(path).is_file():
+        if required:
+            raise ValueError(f"{path}: missing; run the evaluate stage first (`dvc repro evaluate`)")
+        log.warning("%s: missing; its section of the report is left out", path)
+        return None
+    return read_metrics(path)
 
 
 def _read_json(path: Path, required: bool) -> Any:
@@ -468,7 +482,8 @@ def run(
     Args:
         params: the ``report`` section (``params.scene``, when set, overrides ``scene``).
         evaluate_dir: the evaluate stage's out (``renders/``, ``per_view.json``, the orbit).
-        metrics_dir: holds ``evaluate.json`` (required), ``poses.json`` and ``reconstruct.json``.
+        metrics_dir: holds ``evaluate.json`` (required), ``poses.json`` and ``reconstruct.json``, each
+            read as its full record (``<name>.full.json``) where there is one.
         plots_csv: the training curve ``train.csv`` (optional: a note replaces the chart).
         poses_dir: the poses stage's out (ground-truth images, ``split.json``).
         out_dir: this stage's out folder (replaced atomically).
@@ -488,9 +503,9 @@ def run(
     check_outs({"--evaluate": evaluate_dir, "--metrics-dir": metrics_dir, "--plots": plots_csv, "--poses": poses_dir,
                 "references": references, **{f"scaling {f}": f for f in ([scaling] if isinstance(scaling, (str, Path))
                                                                            else scaling or [])}}, {"--out": out_dir})
-    ev = _read_json(metrics_dir / "evaluate.json", required=True)
-    poses_m = _read_json(metrics_dir / "poses.json", required=False)
-    rec_m = _read_json(metrics_dir / "reconstruct.json", required=False)
+    ev = _read_metrics(metrics_dir / "evaluate.json", required=True)
+    poses_m = _read_metrics(metrics_dir / "poses.json", required=False)
+    rec_m = _read_metrics(metrics_dir / "reconstruct.json", required=False)
     per_view = _read_json(evaluate_dir / "per_view.json", required=True)
     split = _read_json(poses_dir / "split.json", required=False) or {}
     if scaling is None:
@@ -581,7 +596,8 @@ def run(
                      for r in per_view]
     libs = env.get("libraries") if isinstance(env.get("libraries"), dict) else {}
     env_rows = [
-        ["code revision", fmt(env.get("code_revision")) + (" (dirty)" if env.get("code_dirty") else "")],
+        ["code revision", fmt(env.get("code_revision")) + (" (dirty)" if env.get("code_dirty") else "")
+         + (" (params.yaml changed)" if env.get("params_modified") else "")],
         ["params sha256", fmt(env.get("params_sha256")) + (f" ({env['params_sha256_of']})"
                                                             if env.get("params_sha256_of") else "")],
         ["seed", fmt(ev.get("seed"))],
@@ -597,7 +613,7 @@ def run(
          + (f" ({env['eval_gpu_name']} x{env.get('eval_gpu_count')})" if env.get("eval_gpu_name") else "")],
         ["GPU driver (evaluating host)", fmt(env.get("gpu_driver")) if env.get("gpu_driver") else "none"],
     ]
-    all_metrics = [(name, [[k, fmt(v, 6)] for k, v in flatten(doc)])
+    all_metrics = [(full_path(name).name, [[k, fmt(v, 6)] for k, v in flatten(doc)])
                    for name, doc in (("poses.json", poses_m), ("reconstruct.json", rec_m), ("evaluate.json", ev))
                    if isinstance(doc, dict)]
     title = f"Reconstruction report: {scene}, {method}"
@@ -638,10 +654,15 @@ def run(
         doc.para(curve_note, em=True)
     else:
         doc.figure("training_curve.png", "training curve")
-    if scaling_docs:
+    here = [sc for sc in scaling_docs if same_scene(sc.get("scene"), scene)]
+    elsewhere = [sc for sc in scaling_docs if not same_scene(sc.get("scene"), scene)]
+    if here:
         doc.h2("Scaling")
-        for sc in scaling_docs:
-            _scaling_section(doc, sc, scene, method, titled=len(scaling_docs) > 1)
+        doc.para(f"Benchmark runs of this scene (benchmarks/bench_scaling.py), not this run, which trained on "
+                 f"{ev.get('gpu_name') or ev.get('device') or 'n/a'}; each table names the GPUs it was measured "
+                 "on and its file.")
+        for sc in here:
+            _scaling_section(doc, sc, scene, method, titled=len(here) > 1)
     doc.h2("Environment")
     doc.table(["", "value"], env_rows, "environment")
     doc.h2("Reproduce")
@@ -651,6 +672,13 @@ def run(
     doc.h2("All metrics")
     for name, rows in all_metrics:
         doc.details(name, ["key", "value"], rows, "all")
+    if elsewhere:
+        doc.h2("Appendix: scaling measured on other scenes")
+        others = sorted({str(sc.get("scene") or "scene not recorded") for sc in elsewhere})
+        doc.para(f"Not this report's scene ('{scene}') and not this run: the configured scaling files also hold "
+                 f"runs of {', '.join(others)}, kept here for context on the distributed path.", em=True)
+        for sc in elsewhere:
+            _scaling_section(doc, sc, scene, method, titled=True)
     doc.html.append("</body></html>\n")
 
     with atomic_dir(out_dir) as tmp:
@@ -714,7 +742,7 @@ def _scaling_section(doc: Doc, sc: dict, scene: str, method: str, titled: bool =
     elif sc.get("mode") == "weak" or sc.get("batch_rays_per_gpu"):
         doc.para(f"Same training rays per run at {sc.get('batch_rays_per_gpu')} rays per GPU per step: N GPUs "
                  "take 1/N of the steps with an N-times larger global batch.")
-    if sc.get("scene") and str(sc["scene"]).lower() != scene.lower():
+    if sc.get("scene") and not same_scene(sc["scene"], scene):
         doc.para(f"Note: the scaling runs are of scene '{sc['scene']}', this report of '{scene}'.", em=True)
     if sc.get("source"):
         on = f" on {', '.join(sc['gpu_names'])} GPUs" if sc.get("gpu_names") else ""
@@ -739,9 +767,15 @@ def reproduce_block(ev: dict, env: dict, photos: str | None) -> tuple[str, list[
               "python -c \"from stages.evaluate import params_sha256; print(params_sha256('params.yaml'))\""]
     notes = []
     if rev:
+        changed = env.get("code_dirty_files") or []
         notes.append(f"Code revision {rev}" + (
-            " — the working tree had UNCOMMITTED changes, so this revision alone does not reproduce the run"
-            if dirty else ", clean working tree" if dirty is False else ""))
+            " — the working tree had UNCOMMITTED changes" + (f" ({', '.join(changed)})" if changed else "")
+            + ", so this revision alone does not reproduce the run"
+            if dirty else ", clean working tree (dvc.lock and the pipeline's own metrics and plots aside)"
+            if dirty is False else ""))
+    if env.get("params_modified"):
+        notes.append("params.yaml differed from that commit (as in a `dvc exp run -S ...`): restore the "
+                     "experiment's params (`dvc exp apply <name>`) or set them so that the sha256 below matches.")
     notes.append(f"params.yaml ({env.get('params_sha256_of', 'n/a')}): sha256 {fmt(env.get('params_sha256'))}; "
                  f"seed {fmt(ev.get('seed'))}. dvc.lock at that revision pins every stage's inputs and outputs.")
     if photos:
@@ -756,6 +790,23 @@ def reproduce_block(ev: dict, env: dict, photos: str | None) -> tuple[str, list[
                  f"{fmt(env.get('gpu_driver'))}, CUDA {fmt(env.get('cuda_version'))} (evaluating host). "
                  "Other GPUs or library versions give close but not bit-identical numbers.")
     return "\n".join(lines), notes
+
+
+def scene_key(name: Any) -> str | None:
+    """A scene name reduced for comparison: lower case, its last path part; every name of the
+    generated default scene (``default``, ``default scene (generated)``) is ``default``."""
+    if not isinstance(name, str) or not name.strip():
+        return None
+    key = name.strip().lower()
+    if key.startswith("default"):
+        return "default"
+    return Path(key).name
+
+
+def same_scene(a: Any, b: Any) -> bool:
+    """Whether two scene names (a scaling file's and the report's) name one scene; unknown never matches."""
+    ka, kb = scene_key(a), scene_key(b)
+    return ka is not None and ka == kb
 
 
 def _scene_name(photos: Any) -> str | None:

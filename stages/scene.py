@@ -4,15 +4,24 @@ Writes ``<out>/images/view_000.png ...`` (8-bit RGB) and ``<out>/images/ground_t
 ``docs/contracts.md``): the photos the rest of the pipeline reconstructs when the user
 brings none, with the exact cameras that took them. Nothing is downloaded.
 
-How it is made: open3d's ``RaycastingScene`` (Embree) finds the first hit of every pixel's
-ray (one cast per view, pixel centres at +0.5) and a second ray from each hit towards the
-light decides the hard shadow; numpy shades the hits. The textures are functions of the
+How it is made: open3d's ``RaycastingScene`` (Embree) finds the triangle each pixel's ray
+hits first (one cast per view, pixel centres at +0.5) and a second ray from each hit towards
+the light decides the hard shadow; numpy shades the hits. The textures are functions of the
 3D hit point, so every view sees the same surface pattern: a mosaic of randomly valued
 cells at two scales (corners everywhere for SIFT, no repeats to confuse matching), a
 soft-edged 3D checker and smooth sums of sinusoids, over a per-object base colour. Cell
 edges are blurred over a few hundredths of a unit so the pictures are not aliased noise
 a NeRF could not fit. Lighting is Lambertian (one directional light plus ambient), so
 every surface point has one colour whatever the view: what a NeRF assumes.
+
+Byte-identical on every machine, so that ``dvc.lock``'s hash of the scene holds on a fresh
+clone: Embree says only which triangle a ray hits (its float32 distances and normals depend
+on the CPU's instruction set), the hit point, barycentrics and normal are recomputed in
+float64 from that triangle; products of vectors are written out element by element rather
+than with ``@`` (BLAS kernels, chosen per CPU, round differently); the BVH is built on one
+thread; and the PNGs are stored uncompressed (:func:`png_bytes`), since deflate's output
+depends on the zlib build. Only a ray that grazes a triangle edge or a shadow boundary to
+within float32 rounding could still go either way.
 
 World frame: z up, the ground's top face at z = 0, objects within radius ~1.2 of the
 origin, cameras on ``rings`` elevation rings looking at ``SCENE_CENTER``.
@@ -26,7 +35,10 @@ from __future__ import annotations
 import argparse
 import colorsys
 import io
+import struct
+import sys
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +66,7 @@ SKY = np.array([0.86, 0.90, 0.95])  # constant: rays that miss everything, any v
 SHADOW_EPS = 2e-3  # shadow-ray origins move this far along the face normal
 EDGE_SOFTNESS = 5.0  # texture cell edges blur over 1/EDGE_SOFTNESS of a cell
 OBJECT_KINDS = ("box", "sphere", "cylinder", "torus", "cone")
+PNG_STORED_BLOCK = 65535  # bytes of one stored (uncompressed) deflate block, the format's maximum
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,35 @@ def load_seed(path: str | Path = P.DEFAULT_PARAMS, data: dict | None = None) -> 
     return seed
 
 
+# ---------------------------------------------------------------- arithmetic that rounds alike everywhere
+
+
+def rows_times(a: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """``a @ m.T`` for ``a`` [..., 3] and ``m`` [K, 3], summed in a fixed order (x, y, then z).
+
+    numpy's ``@`` calls BLAS, whose kernels are picked per CPU and round differently.
+    """
+    m = np.asarray(m, dtype=np.float64)
+    return a[..., 0:1] * m[:, 0] + a[..., 1:2] * m[:, 1] + a[..., 2:3] * m[:, 2]
+
+
+def dot3(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Dot products [...] of 3-vectors ``a`` [..., 3] and ``b`` [..., 3] (or [3]), in a fixed order."""
+    return a[..., 0] * b[..., 0] + a[..., 1] * b[..., 1] + a[..., 2] * b[..., 2]
+
+
+def cross3(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Cross products [..., 3] of ``a`` and ``b`` [..., 3], element by element."""
+    return np.stack([a[..., 1] * b[..., 2] - a[..., 2] * b[..., 1],
+                     a[..., 2] * b[..., 0] - a[..., 0] * b[..., 2],
+                     a[..., 0] * b[..., 1] - a[..., 1] * b[..., 0]], axis=-1)
+
+
+def unit(v: np.ndarray) -> np.ndarray:
+    """``v`` [..., 3] scaled to unit length (sqrt is exactly rounded everywhere)."""
+    return v / np.sqrt(dot3(v, v))[..., None]
+
+
 # ---------------------------------------------------------------- cameras
 
 
@@ -99,15 +141,13 @@ def intrinsics(p: SceneParams) -> Intrinsics:
 
 def look_at_w2c(eye: np.ndarray, target: np.ndarray, up=(0.0, 0.0, 1.0)) -> np.ndarray:
     """World-to-camera 4x4 (OpenCV: x right, y down, z forward) of a camera at ``eye`` facing ``target``."""
-    f = target - eye
-    f = f / np.linalg.norm(f)
-    r = np.cross(f, up)
-    r = r / np.linalg.norm(r)
-    d = np.cross(f, r)  # image down
+    f = unit(target - eye)
+    r = unit(cross3(f, np.asarray(up, dtype=np.float64)))
+    d = cross3(f, r)  # image down
     R_c2w = np.stack([r, d, f], axis=1)
     w2c = np.eye(4)
     w2c[:3, :3] = R_c2w.T
-    w2c[:3, 3] = -R_c2w.T @ eye
+    w2c[:3, 3] = -rows_times(eye, R_c2w.T)
     return w2c
 
 
@@ -134,14 +174,13 @@ def camera_poses(p: SceneParams) -> np.ndarray:
 
 
 def pixel_rays(intr: Intrinsics, w2c: np.ndarray) -> np.ndarray:
-    """Rays [H, W, 6] (origin, unit direction) through the pixel centres of one camera."""
+    """Rays [H, W, 6] float64 (origin, unit direction) through the pixel centres of one camera."""
     u, v = np.meshgrid(np.arange(intr.width) + 0.5, np.arange(intr.height) + 0.5)
     d_cam = np.stack([(u - intr.cx) / intr.fx, (v - intr.cy) / intr.fy, np.ones_like(u)], axis=-1)
     R_c2w = w2c[:3, :3].T
-    d = d_cam @ R_c2w.T
-    d /= np.linalg.norm(d, axis=-1, keepdims=True)
-    o = np.broadcast_to(-R_c2w @ w2c[:3, 3], d.shape)
-    return np.concatenate([o, d], axis=-1).astype(np.float32)
+    d = unit(rows_times(d_cam, R_c2w))
+    o = np.broadcast_to(-rows_times(w2c[:3, 3], R_c2w), d.shape)
+    return np.concatenate([o, d], axis=-1)
 
 
 # ---------------------------------------------------------------- geometry
@@ -313,12 +352,12 @@ def mosaic(q: np.ndarray, salt: int, channels: int = 1) -> np.ndarray:
 
 def albedo(points: np.ndarray, tex: dict[str, Any]) -> np.ndarray:
     """Surface colour [N, 3] in [0, 1] at world points [N, 3]; depends on the point only."""
-    q = points @ tex["rot"].T + tex["offset"]
+    q = rows_times(points, tex["rot"]) + tex["offset"]
     small = mosaic(q / tex["cell_small"], tex["salt"])[:, 0]
     large = mosaic(q / tex["cell_large"], tex["salt"] + 1, channels=3)
     sq = np.tanh(EDGE_SOFTNESS * np.sin(np.pi * (q / tex["checker"] + 0.25)))  # soft square waves
     checker = np.prod(sq, axis=1)
-    waves = np.sin(2 * np.pi * (points @ tex["sin_dirs"].T) * tex["sin_freq"] + tex["sin_phase"])
+    waves = np.sin(2 * np.pi * rows_times(points, tex["sin_dirs"]) * tex["sin_freq"] + tex["sin_phase"])
     smooth = waves.mean(axis=1)  # ~[-0.6, 0.6], wavelengths 0.25-0.6 units
     color = tex["base"] * (0.62 + 0.38 * small[:, None])
     color = color * (0.75 + 0.5 * large)  # large cells tint the colour
@@ -334,7 +373,7 @@ class Renderer:
         import open3d as o3d
 
         self.objs = objs
-        self.scene = o3d.t.geometry.RaycastingScene()
+        self.scene = o3d.t.geometry.RaycastingScene(nthreads=1)  # one BVH, whatever the core count
         self.ids = []
         for o in objs:
             mesh = o3d.t.geometry.TriangleMesh()
@@ -342,61 +381,98 @@ class Renderer:
             mesh.triangle.indices = o3d.core.Tensor(o.triangles.astype(np.int32))
             self.ids.append(self.scene.add_triangles(mesh))
         self.index = {gid: i for i, gid in enumerate(self.ids)}
+        self.vertices32 = [o.vertices.astype(np.float32).astype(np.float64) for o in objs]  # what Embree sees
+
+    def _hits(self, rays: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For rays [N, 6] float64: (hit mask [N], object index [M], triangle [M], hit in float64).
+
+        Embree picks the triangle; the hit is recomputed from that triangle's float32 vertices
+        (Moller-Trumbore, float64) as (t [M], barycentrics [M, 2], face normal [M, 3]).
+        """
+        import open3d as o3d
+
+        hit = self.scene.cast_rays(o3d.core.Tensor(rays.astype(np.float32)))
+        ok = np.isfinite(hit["t_hit"].numpy())
+        gid = hit["geometry_ids"].numpy()[ok]
+        prim = hit["primitive_ids"].numpy()[ok].astype(np.int64)
+        obj = np.empty(len(gid), dtype=np.int64)
+        tri = np.empty((len(gid), 3, 3))
+        for gi, i in self.index.items():
+            sel = gid == gi
+            obj[sel] = i
+            tri[sel] = self.vertices32[i][self.objs[i].triangles[prim[sel]]]
+        o, d = rays[ok, :3], rays[ok, 3:]
+        e1, e2 = tri[:, 1] - tri[:, 0], tri[:, 2] - tri[:, 0]
+        p = cross3(d, e2)
+        det = dot3(e1, p)
+        s = o - tri[:, 0]
+        q = cross3(s, e1)
+        inv = 1.0 / np.where(det == 0.0, 1.0, det)  # Embree reported a hit, so det is not 0 in practice
+        b1, b2, t = dot3(s, p) * inv, dot3(d, q) * inv, dot3(e2, q) * inv
+        return ok, obj, prim, (t, np.stack([b1, b2], axis=1), unit(cross3(e1, e2)))
 
     def render(self, rays: np.ndarray) -> np.ndarray:
-        """Colours [H, W, 3] in [0, 1] for rays [H, W, 6]."""
+        """Colours [H, W, 3] in [0, 1] for rays [H, W, 6] (float64, unit directions)."""
         import open3d as o3d
 
         shape = rays.shape[:-1]
-        flat = rays.reshape(-1, 6)
-        hit = self.scene.cast_rays(o3d.core.Tensor(flat))
-        t = hit["t_hit"].numpy()
-        ok = np.isfinite(t)
+        flat = rays.reshape(-1, 6).astype(np.float64)
+        ok, obj_idx, prim, (t, uv, n_face) = self._hits(flat)
         out = np.broadcast_to(SKY, (flat.shape[0], 3)).copy()
         if not ok.any():
             return out.reshape(*shape, 3)
-        o, d = flat[ok, :3].astype(np.float64), flat[ok, 3:].astype(np.float64)
-        pts = o + t[ok, None].astype(np.float64) * d
-        gid = hit["geometry_ids"].numpy()[ok]
-        prim = hit["primitive_ids"].numpy()[ok].astype(np.int64)
-        uv = hit["primitive_uvs"].numpy()[ok].astype(np.float64)
-        n_face = hit["primitive_normals"].numpy()[ok].astype(np.float64)
-        n_face /= np.linalg.norm(n_face, axis=1, keepdims=True)
-        flip = np.sum(n_face * d, axis=1) > 0  # face the camera
+        d = flat[ok, 3:]
+        pts = flat[ok, :3] + t[:, None] * d
+        flip = dot3(n_face, d) > 0  # face the camera
         n_face[flip] *= -1
         normal = n_face.copy()
         color = np.empty_like(pts)
-        for gi, i in self.index.items():
-            sel = gid == gi
+        for i, obj in enumerate(self.objs):
+            sel = obj_idx == i
             if not sel.any():
                 continue
-            obj = self.objs[i]
             color[sel] = albedo(pts[sel], obj.texture)
             if obj.vertex_normals is not None:  # barycentric interpolation of vertex normals
                 tri = obj.triangles[prim[sel]]
                 b1, b2 = uv[sel, 0:1], uv[sel, 1:2]
                 vn = obj.vertex_normals
-                n = (1 - b1 - b2) * vn[tri[:, 0]] + b1 * vn[tri[:, 1]] + b2 * vn[tri[:, 2]]
-                n /= np.linalg.norm(n, axis=1, keepdims=True)
-                n[np.sum(n * n_face[sel], axis=1) < 0] *= -1
+                n = unit((1 - b1 - b2) * vn[tri[:, 0]] + b1 * vn[tri[:, 1]] + b2 * vn[tri[:, 2]])
+                n[dot3(n, n_face[sel]) < 0] *= -1
                 normal[sel] = n
         # Hard shadows: is the light visible from just above the surface?
         origins = pts + SHADOW_EPS * n_face
         shadow_rays = np.concatenate([origins, np.broadcast_to(LIGHT_DIR, origins.shape)], axis=1)
         lit = ~self.scene.test_occlusions(o3d.core.Tensor(shadow_rays.astype(np.float32))).numpy()
-        lit &= (n_face @ LIGHT_DIR) > 0
-        ndl = np.clip(normal @ LIGHT_DIR, 0.0, 1.0) * lit
+        lit &= dot3(n_face, LIGHT_DIR) > 0
+        ndl = np.clip(dot3(normal, LIGHT_DIR), 0.0, 1.0) * lit
         out[ok] = color * (AMBIENT + DIFFUSE * ndl[:, None])
         return np.clip(out, 0.0, 1.0).reshape(*shape, 3)
 
 
 def png_bytes(rgb: np.ndarray) -> bytes:
-    """8-bit RGB PNG without metadata (byte-identical for identical pixels)."""
-    from PIL import Image
+    """8-bit RGB PNG [H, W, 3] whose bytes depend on the pixels alone: no metadata, no compression.
 
-    buf = io.BytesIO()
-    Image.fromarray(rgb, mode="RGB").save(buf, format="PNG", compress_level=6)
-    return buf.getvalue()
+    The rows go into stored deflate blocks (RFC 1951, 3.2.4), so no compressor is involved: a
+    compressor's output depends on its build (zlib, zlib-ng, their CPU-specific paths), and the
+    same pixels would make different files on different machines.
+    """
+    rgb = np.ascontiguousarray(rgb, dtype=np.uint8)
+    h, w, _ = rgb.shape
+    rows = np.zeros((h, 1 + 3 * w), dtype=np.uint8)  # each row: filter type 0 (none), then its pixels
+    rows[:, 1:] = rgb.reshape(h, 3 * w)
+    raw = rows.tobytes()
+    blocks = []
+    for start in range(0, len(raw), PNG_STORED_BLOCK):
+        block = raw[start:start + PNG_STORED_BLOCK]
+        final = start + PNG_STORED_BLOCK >= len(raw)
+        blocks.append(struct.pack("<BHH", int(final), len(block), len(block) ^ 0xFFFF) + block)
+    stream = b"\x78\x01" + b"".join(blocks) + struct.pack(">I", zlib.adler32(raw))  # zlib wrapper
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    header = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)  # 8-bit RGB, deflate, adaptive filters, no interlace
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", stream) + chunk(b"IEND", b"")
 
 
 def to_uint8(img: np.ndarray) -> np.ndarray:

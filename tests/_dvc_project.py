@@ -73,17 +73,20 @@ def ran_stages(output: str) -> list[str]:
 
 
 def copy_pipeline(repo: Path, params: dict, message: str) -> Path:
-    """This project's pipeline (stages, kernels, dvc.yaml, .gitignore, the measured scaling runs the
-    report shows) with ``params`` as params.yaml, in a fresh git + DVC repo at ``repo``, committed
+    """This project's pipeline (stages, kernels, dvc.yaml, .gitignore, DVC's config and plot templates,
+    the measured scaling runs the report shows) with ``params`` as params.yaml, in a fresh git + DVC repo at ``repo``, committed
     with ``message``."""
     for name in ("stages", "kernels", "benchmarks/results"):
         shutil.copytree(ROOT / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("dvc.yaml", ".gitignore"):  # the project's own: metrics stay git-tracked for experiments
+    for name in ("dvc.yaml", ".gitignore", "scripts/dvc_plots_offline.html"):  # metrics stay git-tracked
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, repo / name)
     (repo / "params.yaml").write_text(yaml_dump(params))
     for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "t@t"], ["git", "config", "user.name", "t"],
                 ["dvc", "init", "-q"], ["dvc", "config", "core.analytics", "false"]):
         run(cmd, repo)
+    shutil.copy(ROOT / ".dvc" / "config", repo / ".dvc" / "config")  # the offline plots page, as here
+    shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")  # dvc.yaml's plot template
     run(["git", "add", "-A"], repo)
     run(["git", "commit", "-qm", message], repo)
     return repo

@@ -6,6 +6,11 @@ the baseline `dvc repro` and commit, two experiments each rerun only the tail of
 pipeline (reconstruct, evaluate, report): fewer steps, and two gloo workers instead of one
 (a world-size change, so the page gets a scaling table). The workspace is reset to the
 baseline between them so that each differs from the baseline in one param only.
+
+The same experiments show what a user sees of them through DVC (narrow `dvc metrics show` and
+`dvc exp show --only-changed` tables, an offline `dvc plots show` page), that their evaluate
+records call the tree clean (only the pipeline's own outs and params.yaml changed), and that
+TensorBoard keeps one folder per run.
 """
 from __future__ import annotations
 
@@ -15,9 +20,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from PIL import Image
 
 from stages import compare
 from _dvc_project import ROOT, TINY_PIPELINE, copy_pipeline, merge, optional_off, ran_stages, run
+from test_report_browser import find_chromium, open_page
 
 # the e2e test's tiny pipeline with fewer views and steps: the baseline repro takes ~15 s on 2 cores
 SMALL = merge(TINY_PIPELINE, {"scene": {"views": 16},
@@ -29,6 +36,7 @@ EXPERIMENTS = {"fewer-steps": ["reconstruct.steps=10"], "two-workers": ["reconst
 @pytest.fixture(scope="module")
 def exp_repo(tmp_path_factory) -> Path:
     params = optional_off(merge(yaml.safe_load((ROOT / "params.yaml").read_text()), SMALL))
+    params["reconstruct"]["tensorboard"] = True  # one TensorBoard folder per run (test_tensorboard_...)
     repo = copy_pipeline(tmp_path_factory.mktemp("compare"), params, "code")  # the baseline's metrics name a revision
     run(["dvc", "repro"], repo)
     run(["git", "add", "-A"], repo)
@@ -90,6 +98,108 @@ def test_compare_real_experiments(exp_repo: Path):
     assert re.findall(r'<img\b[^>]*src="([^"]{0,22})', page) == ["data:image/png;base64,"]
     assert f"**{base['name']}** (baseline)" in md and "## Scaling" in md
     assert (exp_repo / "data/compare/assets/psnr.png").is_file()
+
+
+def _columns(table: str) -> list[str]:
+    """The header cells of a table DVC printed (columns are separated by two or more spaces)."""
+    return re.split(r"\s{2,}", table.strip().splitlines()[0].strip())
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_dvc_tables_are_narrow(exp_repo: Path):
+    """`dvc metrics show` tabulates the headline metrics only (it had 90 columns): the full records
+    (<name>.full.json) are not metrics."""
+    cols = _columns(run(["dvc", "metrics", "show"], exp_repo))
+    assert cols[0] == "Path" and len(cols) <= 15, cols
+    assert {"psnr", "ssim", "fps", "train_time_s", "steps", "method", "num_registered"} <= set(cols), cols
+    assert not [c for c in cols if c.startswith(("environment", "orbit", "per_rank"))]
+    # the README's `dvc exp show --only-changed --drop data/`: the params and metrics that vary (the
+    # data hashes dropped), beside DVC's own columns
+    header = run(["dvc", "exp", "show", "--only-changed", "--drop", "data/", "--csv"],
+                 exp_repo).strip().splitlines()[0].split(",")
+    cols = [c for c in header if c not in ("Experiment", "rev", "typ", "Created", "parent", "State", "Executor")]
+    assert len(cols) <= 12 and {"psnr", "reconstruct.steps", "reconstruct.distributed.cpu_workers"} <= set(cols), cols
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_experiments_record_a_clean_tree(exp_repo: Path, tmp_path: Path):
+    """`dvc exp run` rewrites dvc.lock, data/metrics and data/plots (git-tracked) before evaluate looks
+    at git, and params.yaml holds the experiment's params: none of that is a dirty tree."""
+    compare.run(tmp_path / "compare", repo=exp_repo)
+    runs = {r["name"]: r for r in json.loads((tmp_path / "compare" / "compare.json").read_text())["runs"]}
+    assert set(EXPERIMENTS) < set(runs)
+    for name, r in runs.items():
+        env = r["metrics"]["evaluate"]["environment"]  # from the run's evaluate.full.json in git
+        assert (env["code_dirty"], env["code_dirty_files"]) == (False, []), (name, env)
+        assert env["params_modified"] is (name in EXPERIMENTS), (name, env)
+    # the check as evaluate runs it, in that repository: the pipeline's own tracked outs rewritten
+    # (as `dvc repro` does) are not dirty; an edited source file is, and is named
+    check = ["python", "-c", "import json; from stages.evaluate import code_revision; print(json.dumps(code_revision()))"]
+    try:
+        for name in ("dvc.lock", "data/metrics/poses.full.json", "data/plots/train.csv"):
+            (exp_repo / name).write_text((exp_repo / name).read_text() + "\n")
+        rev = json.loads(run(check, exp_repo).strip().splitlines()[-1])
+        assert (rev["dirty"], rev["dirty_files"], rev["params_modified"]) == (False, [], False), rev
+        source = exp_repo / "stages" / "compare.py"
+        source.write_text(source.read_text() + "\n# an edit\n")
+        rev = json.loads(run(check, exp_repo).strip().splitlines()[-1])
+        assert (rev["dirty"], rev["dirty_files"]) == (True, ["stages/compare.py"]), rev
+    finally:
+        run(["git", "checkout", "-q", "--", "."], exp_repo)
+        run(["dvc", "checkout", "-q", "--force"], exp_repo)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_tensorboard_keeps_one_folder_per_run(exp_repo: Path):
+    """`tensorboard --logdir data/reconstruct.tb`: the baseline (start time + params hash) and each
+    experiment (its `dvc exp` name) side by side; each out carries its own run's events."""
+    root = exp_repo / "data" / "reconstruct.tb"
+    names = sorted(p.name for p in root.iterdir())
+    base = [n for n in names if n not in EXPERIMENTS]
+    assert set(EXPERIMENTS) <= set(names) and len(base) == 1, names
+    assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{8}", base[0]), base
+    for name in names:
+        events = list((root / name).glob("events.out.tfevents.*"))
+        assert events and events[0].stat().st_size > 100, name
+    assert [p.name for p in (exp_repo / "data/reconstruct/tensorboard").iterdir()] == base  # the workspace's out
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_dvc_plots_page_is_offline_with_psnr_and_loss_apart(exp_repo: Path, tmp_path: Path):
+    run(["dvc", "plots", "show", "-o", str(tmp_path / "plots")], exp_repo)
+    page = tmp_path / "plots" / "index.html"
+    text = page.read_text()
+    tags = re.sub(r"<script>.*?</script>", "", text, flags=re.S)  # the inlined libraries aside
+    assert "<script>" in text and not re.search(r"<\w+\b[^>]*\b(src|href)\s*=", tags, re.I)  # nothing to fetch
+    assert "cdn.jsdelivr" not in text
+    specs = [json.loads(m) for m in re.findall(r"var spec = (\{.*?\});\n", text, re.S)]
+    assert len(specs) == 2  # psnr and loss, and not train.csv a second time with default axes
+    by_title = {s["title"]["text"].split()[0]: s for s in specs}
+    assert sorted(by_title) == ["PSNR", "Training"]
+    assert {row.get("field") for row in by_title["PSNR"]["data"]["values"]} == {"psnr", "test_psnr"}
+    assert all(row.get("field", "loss") == "loss" for row in by_title["Training"]["data"]["values"])
+    exe = find_chromium()
+    if exe is None:
+        pytest.skip("no Chromium: the page's text was checked, not its rendering")
+    state = open_page(exe, page, tmp_path / "profile", tmp_path / "plots.png", PLOTS_STATE)
+    assert len(state["views"]) == 2 and all(w > 200 and h > 100 for w, h in state["views"]), state
+    assert state["requests"] == [page.resolve().as_uri()], state["requests"]  # nothing from a network
+    with Image.open(tmp_path / "plots.png") as im:
+        lo, hi = im.convert("L").getextrema()
+        assert hi - lo > 100  # drawn, not blank
+
+
+# waits (up to 20 s) for vega-embed to draw both plots; returns their sizes
+PLOTS_STATE = """(async () => {
+  const t0 = Date.now(), sel = '.vega-embed canvas.marks, .vega-embed svg.marks';
+  while (document.querySelectorAll(sel).length < 2 && Date.now() - t0 < 20000) await new Promise(r => setTimeout(r, 100));
+  return {views: Array.from(document.querySelectorAll(sel)).map(v => [v.getBoundingClientRect().width,
+                                                                     v.getBoundingClientRect().height])};
+})()"""
 
 
 # ---------------------------------------------------------------- without DVC: the parsing rules

@@ -136,8 +136,10 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(two_proc_run
 def test_tensorboard_scalars_of_every_rank_land_in_the_out(two_proc_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    tb = two_proc_run / "tensorboard"
-    assert not (two_proc_run.parent / "out.tb").exists(), "the live folder moves into the out on success"
+    runs = list((two_proc_run / "tensorboard").iterdir())  # <out>/tensorboard/<run name>/
+    assert len(runs) == 1
+    tb = runs[0]
+    assert (two_proc_run.parent / "out.tb" / tb.name).is_dir(), "the run's folder stays for tensorboard --logdir"
     acc = EventAccumulator(str(tb))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])

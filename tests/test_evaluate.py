@@ -125,8 +125,10 @@ def test_evaluate_scores_renders_and_writes_outs(setup):
         # 8-bit render within half a level of the float render
         assert np.abs(np.asarray(png) / 255.0 - pred.numpy()).max() <= 0.5 / 255 + 1e-6
 
-    written = json.loads((tmp_path / "metrics" / "evaluate.json").read_text())
+    written = json.loads((tmp_path / "metrics" / "evaluate.full.json").read_text())  # the full record
     assert written == json.loads(json.dumps(m))
+    headline = json.loads((tmp_path / "metrics" / "evaluate.json").read_text())  # what `dvc metrics show` shows
+    assert headline == {k: m[k] for k in ("psnr", "ssim", "fps")}  # LPIPS is None here: no empty column
     for key in ("psnr", "psnr_std", "ssim", "ssim_std", "lpips", "lpips_note", "fps", "num_test_views", "width",
                 "height", "train_time_s", "peak_gpu_memory_bytes", "num_params", "method", "device", "gpu_name",
                 "gpu_count", "world_size", "environment"):

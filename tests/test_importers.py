@@ -520,7 +520,7 @@ def test_fuzz_colmap_binary_mutated(colmap_bin, data):
 def test_params_accept_the_import_sources_with_a_camera_file():
     p = P.load_section(poses.PosesParams, "poses", data={"poses": {"source": "llff", "camera_file": "x.npy"}})
     assert p.source == "llff" and p.camera_file == "x.npy"
-    for source in ("colmap", "transforms", "llff"):
+    for source in ("colmap", "llff"):  # transforms may take the Blender folder the ingest recognised
         with pytest.raises(P.ParamsError, match=r"poses\.camera_file: must name the camera file"):
             P.load_section(poses.PosesParams, "poses", data={"poses": {"source": source}})
     default = P.load_section(poses.PosesParams, "poses", Path(__file__).resolve().parents[1] / "params.yaml")
@@ -599,8 +599,10 @@ def test_stage_imports_colmap(synth, tmp_path, text):
     doc, split = _check_outs(tmp_path / "poses", m, gt, names)
     assert (doc["w"], doc["h"], doc["fl_x"]) == (k["width"], k["height"], pytest.approx(k["fx"]))
     assert split["test"] == ["view_000.png", "view_008.png"]
-    metrics_file = json.loads((tmp_path / "metrics" / "poses.json").read_text())
+    metrics_file = json.loads((tmp_path / "metrics" / "poses.full.json").read_text())  # the full record
     assert metrics_file["source"] == "colmap" and metrics_file["num_images"] == 9
+    headline = json.loads((tmp_path / "metrics" / "poses.json").read_text())  # what `dvc metrics show` shows
+    assert set(headline) == {"num_registered", "center_error_mean", "rotation_error_mean_deg"}  # no reprojection here
 
 
 def test_stage_imports_distorted_transforms_and_lists_images_without_camera(synth, tmp_path):
@@ -622,6 +624,7 @@ def test_stage_imports_distorted_transforms_and_lists_images_without_camera(synt
     with pytest.raises(ValueError, match="cameras for 8 of 9 ingested images"):
         _run(tmp_path, ingest, "transforms", tmp_path / "cams" / "transforms.json", min_registered_fraction=0.95)
     assert not (tmp_path / "poses").exists() and not (tmp_path / "metrics" / "poses.json").exists()
+    assert not (tmp_path / "metrics" / "poses.full.json").exists()
 
 
 def test_stage_imports_llff_in_sorted_order(synth, tmp_path):

@@ -27,12 +27,12 @@ def repo(tmp_path_factory) -> Path:
 def test_repro_runs_every_stage_and_writes_outs(repo: Path):
     out = run(["dvc", "repro"], repo)
     assert ran_stages(out) == ["scene", "ingest", "poses", "reconstruct", "evaluate", "report", "export"]
-    poses = json.loads((repo / "data/metrics/poses.json").read_text())
+    poses = json.loads((repo / "data/metrics/poses.full.json").read_text())  # the full records
     assert poses["num_registered"] == poses["num_images"] == 24
     split = json.loads((repo / "data/poses/split.json").read_text())
     assert len(split["test"]) == 3 and len(split["train"]) == 21
     assert (repo / "data/reconstruct/model.pt").is_file()
-    ev = json.loads((repo / "data/metrics/evaluate.json").read_text())
+    ev = json.loads((repo / "data/metrics/evaluate.full.json").read_text())
     assert ev["num_test_views"] == 3
     assert 5.0 < ev["psnr"] < 60.0  # 40 tiny steps: far from converged, but a real number
     for view in split["test"]:

@@ -96,7 +96,7 @@ def test_report_md_and_self_contained_html(pipeline):
     assert "No published numbers are recorded for scene 'unit'" in md
     assert "<h2>Reproduce</h2>" in page and "dvc repro" in md and "params_sha256" in md
     # the numbers a reader looks for
-    ev = json.loads((root / "metrics" / "evaluate.json").read_text())
+    ev = json.loads((root / "metrics" / "evaluate.full.json").read_text())  # the evaluate stage's full record
     assert f"{ev['psnr']:.2f} ± {ev['psnr_std']:.2f} dB" in page
     assert f"{ev['ssim']:.4f}" in page
     assert "every 2nd image in sorted-name order is a test view" in page
@@ -167,6 +167,7 @@ def test_missing_optional_inputs_and_errors(pipeline, capsys):
     page = out["html"].read_text()
     assert "train.csv not found" in page and "poses.json missing" in page
     (root / "metrics" / "evaluate.json").unlink()
+    (root / "metrics" / "evaluate.full.json").unlink()
     params = root / "params.yaml"
     params.write_text("report:\n  max_views: 2\n")
     assert report.main(_args(root) + ["--params", str(params)]) == 1
@@ -329,6 +330,28 @@ def test_scaling_table_from_the_command_line(pipeline, capsys):
     assert "scaling file not found" in capsys.readouterr().err
 
 
+def test_other_scenes_scaling_only_in_an_appendix(pipeline):
+    """params.yaml's report.scaling (the committed 2xH200 runs of default, lego and fox): a report of
+    the default scene shows the default scene's tables under "Scaling" and the others only in the
+    closing appendix, which names their scene and GPUs; a scene with no runs has no "Scaling"."""
+    root = pipeline
+    results = Path(report.__file__).resolve().parents[1] / "benchmarks" / "results"
+    files = [results / f"scaling_{n}_2xH200.json" for n in ("weak", "strong", "lego_weak32k")]
+    args = (report.ReportParams(max_views=1), root / "evaluate", root / "metrics", root / "plots" / "train.csv",
+            root / "poses", root / "report")
+    md = report.run(*args, scene="default scene (generated)", scaling=files)["md"].read_text()
+    body, appendix = md.split("\n## Appendix: scaling measured on other scenes\n")
+    ours = body[body.index("\n## Scaling\n"):body.index("\n## Environment\n")]
+    assert ours.count("\n### default, nerf, ") == 2 and "lego" not in ours and "fox" not in ours
+    assert "not this run" in ours.lower() and "Measured on NVIDIA H200 GPUs" in ours
+    assert appendix.count("\n### lego, nerf, ") == 2 and appendix.count("\n### fox, nerf, ") == 1
+    assert "default, nerf" not in appendix and "Measured on NVIDIA H200 GPUs" in appendix
+    assert "Not this report's scene ('default scene (generated)') and not this run" in appendix
+    md = report.run(*args, scene="fern", scaling=files)["md"].read_text()
+    assert "\n## Scaling\n" not in md and md.count("\n### default, nerf, ") == 2  # all in the appendix
+    assert md.index("## Appendix: scaling measured on other scenes") > md.index("## All metrics")
+
+
 def test_reproduce_block_names_revision_seed_and_hash():
     ev = {"seed": 3, "device": "cuda", "gpu_name": "NVIDIA H200", "gpu_count": 2, "world_size": 2}
     env = {"code_revision": "abc123", "code_dirty": True, "params_sha256": "f" * 64,
@@ -374,7 +397,7 @@ def test_empty_test_split_is_named(pipeline):
 
 def test_missing_orbit_is_named(pipeline):
     root = pipeline
-    ev = json.loads((root / "metrics" / "evaluate.json").read_text())
+    ev = json.loads((root / "metrics" / "evaluate.full.json").read_text())
     (root / "evaluate" / ev["orbit"]["file"]).unlink()
     with pytest.raises(ValueError, match=rf"{ev['orbit']['file']}: missing; evaluate.json names it"):
         report.run(report.ReportParams(max_views=1), root / "evaluate", root / "metrics",

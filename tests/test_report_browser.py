@@ -135,8 +135,9 @@ PAGE_STATE = """(async () => {
 })()"""
 
 
-def open_page(exe: str, page: Path, profile: Path, screenshot: Path) -> dict:
-    """Load ``page`` from disk; return its state (see ``PAGE_STATE``) and the URLs it requested."""
+def open_page(exe: str, page: Path, profile: Path, screenshot: Path, expression: str = PAGE_STATE) -> dict:
+    """Load ``page`` from disk; return its state (``expression``'s object, default ``PAGE_STATE``)
+    and the URLs it requested."""
     browser = Browser(exe, profile)
     try:
         target = browser.send("Target.createTarget", {"url": "about:blank"})["targetId"]
@@ -145,7 +146,7 @@ def open_page(exe: str, page: Path, profile: Path, screenshot: Path) -> dict:
         browser.send("Page.enable", session=session)
         browser.send("Page.navigate", {"url": page.resolve().as_uri()}, session=session)
         browser.wait_event("Page.loadEventFired", session)
-        res = browser.send("Runtime.evaluate", {"expression": PAGE_STATE, "awaitPromise": True,
+        res = browser.send("Runtime.evaluate", {"expression": expression, "awaitPromise": True,
                                                 "returnByValue": True}, session=session)
         if "exceptionDetails" in res:
             raise RuntimeError(f"page script failed: {res['exceptionDetails']}")

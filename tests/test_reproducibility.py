@@ -142,7 +142,7 @@ def _curves(runs: tuple[Path, Path]) -> list[list[dict]]:
 
 
 def _metrics(runs: tuple[Path, Path]) -> list[dict]:
-    return [json.loads((r / "metrics" / "evaluate.json").read_text()) for r in runs]
+    return [json.loads((r / "metrics" / "evaluate.full.json").read_text()) for r in runs]
 
 
 def assert_bit_identical(runs: tuple[Path, Path]) -> None:

@@ -1,7 +1,9 @@
 """The generated default scene (stages/scene.py) at a tiny size: files, ground truth, determinism, params."""
 from __future__ import annotations
 
+import io
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -124,3 +126,75 @@ def test_main_ok_and_params_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "scene.rings" in err and "Traceback" not in err
     assert not (tmp_path / "b").exists()
+
+
+# ---------------------------------------------------------------- the same bytes on every machine
+
+# sha256 over TINY's PNGs (seed 0, in name order), as written on the 2-core CI machine. dvc.lock pins
+# the default scene's hash the same way, so a machine that writes other bytes here would rerun every
+# stage of a fresh clone: see the module docstring of stages/scene.py for what keeps them equal.
+TINY_PNG_SHA256 = "9d05a4de740c2f1820db37cb48025065d0b3a3da7c2d6e426059049b624def5f"
+
+
+def _png_digest(out) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, data in sorted(_files(out).items()):
+        if name.endswith(".png"):
+            h.update(data)
+    return h.hexdigest()
+
+
+def test_png_bytes_are_stored_blocks_that_decode_to_the_pixels():
+    import struct
+    import zlib
+
+    rng = np.random.default_rng(3)
+    for h, w in ((1, 1), (5, 7), (150, 200)):  # the last needs two deflate blocks (60300 + 300 bytes of rows)
+        img = rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)
+        data = scene.png_bytes(img)
+        assert data == scene.png_bytes(img.copy())
+        with Image.open(io.BytesIO(data)) as im:
+            assert im.mode == "RGB" and not im.info
+            np.testing.assert_array_equal(np.asarray(im), img)
+        length = struct.unpack(">I", data[33:37])[0]
+        assert data[37:41] == b"IDAT"
+        stream = data[41:41 + length]
+        assert stream[2] & 0b110 == 0  # BTYPE 00: stored, no compressor involved
+        assert zlib.decompress(stream) == b"".join(b"\0" + img[r].tobytes() for r in range(h))
+
+
+def test_scene_bytes_do_not_depend_on_threads_or_cpu_features(tiny_scene, tmp_path):
+    """The scene stage in fresh processes: one thread for everything, and numpy's dispatch of
+    AVX-512/AVX2 loops and OpenBLAS's kernels switched to older CPUs'. Same bytes as in-process."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    try:
+        from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+        features = " ".join(f for f in __cpu_dispatch__ if __cpu_features__.get(f))
+    except ImportError:  # another numpy layout: the thread variant alone
+        features = ""
+    out, _ = tiny_scene
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"seed": 0, "scene": TINY.__dict__}))
+    variants = {"one-thread": {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+                "older-cpu": {"NPY_DISABLE_CPU_FEATURES": features, "OPENBLAS_CORETYPE": "Haswell"}}
+    root = Path(scene.__file__).resolve().parents[1]
+    for name, extra in variants.items():
+        env = {**os.environ, "PYTHONPATH": str(root), **extra}
+        p = subprocess.run([sys.executable, "-m", "stages.scene", "--out", str(tmp_path / name), "--params",
+                            str(params)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert _files(tmp_path / name) == _files(out), name
+
+
+def test_tiny_scene_has_the_recorded_bytes(tiny_scene):
+    out, _ = tiny_scene
+    assert _png_digest(out) == TINY_PNG_SHA256, (
+        "the generated scene's PNGs differ from the bytes recorded on the CI machine: on this machine "
+        "dvc.lock's hash of data/scene would not hold either (stages/scene.py says what keeps them equal)")

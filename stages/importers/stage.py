@@ -13,6 +13,7 @@ import numpy as np
 
 from ..common import cameras as C
 from ..common.io import atomic_dir, atomic_write_json, atomic_write_text, remove
+from ..common.metrics_files import remove_metrics, write_metrics
 from .colmap import read_colmap
 from .llff import read_llff
 from .scene import Camera, ImportedScene, _fail, _side
@@ -191,10 +192,10 @@ def run_import(params, ingest_dir: str | Path, out_dir: str | Path, metrics_path
     from PIL import Image  # noqa: F401  (Pillow before pycolmap: their zlib copies clash the other way round)
     import pycolmap
 
-    from ..poses import _intrinsics, ground_truth_errors, make_split, undistort, write_ply
+    from ..poses import METRICS_HEADLINE, _intrinsics, ground_truth_errors, make_split, undistort, write_ply
 
     ingest_dir, out_dir, metrics_path = Path(ingest_dir), Path(out_dir), Path(metrics_path)
-    remove(metrics_path)  # a failed run must leave neither the previous outs nor its numbers
+    remove_metrics(metrics_path)  # a failed run must leave neither the previous outs nor its numbers
     remove(out_dir)
     t_start = time.perf_counter()
     entries, gt = read_manifest(ingest_dir)
@@ -308,7 +309,7 @@ def run_import(params, ingest_dir: str | Path, out_dir: str | Path, metrics_path
         metrics["other_models"] = []
         times["total"] = time.perf_counter() - t_start
         metrics["time_s"] = {k: round(v, 3) for k, v in times.items()}
-    atomic_write_json(metrics_path, metrics)
+    write_metrics(metrics_path, metrics, METRICS_HEADLINE)
     log.info("poses: imported %d/%d cameras (%s, %s, %d distinct), %d points, box from %s, %s split, %.1f s -> %s",
              len(names), len(entries), scene.layout, ", ".join(models), len(kinds), len(xyz_n), aabb_rule, split_rule,
              times["total"], out_dir)

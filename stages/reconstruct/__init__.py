@@ -11,9 +11,13 @@ Outs (``--out``, written by rank 0 alone): ``model.pt`` (weights + resolved conf
 loadable with ``torch.load(weights_only=True)``), ``checkpoint.pt`` (model + the optimizers'
 state by name + step), ``summary.json``; metrics (``--metrics``) and the training curve
 (``--plots``). While training, checkpoints go to ``<out>.ckpt/`` beside the out (or
-``--checkpoint-dir``); a rerun resumes from them, and success removes them. TensorBoard
-scalars (``reconstruct.tensorboard``) go to ``<out>.tb/`` while training and end up in
-``<out>/tensorboard/``.
+``--checkpoint-dir``); a rerun resumes from them, and success removes them. The metrics
+file holds the headline (method, device, world size, steps, training time, rays/s); the
+full record goes beside it (``<stem>.full.json``, ``stages.common.metrics_files``). TensorBoard
+scalars (``reconstruct.tensorboard``) go to ``<out>.tb/<run name>/`` (the ``dvc exp`` name,
+else start time and params hash: ``telemetry.tensorboard_run_dir``), which stays when the
+run ends, so ``tensorboard --logdir <out>.tb`` compares runs; a copy goes into the out,
+``<out>/tensorboard/<run name>/``.
 
 While it runs, the stage holds ``<out>.lock`` (a second run on the same out fails at once,
 naming this one's pid); the previous outs are removed when it starts (as ``dvc repro`` does),
@@ -36,6 +40,7 @@ from stages.common.fingerprint import data_fingerprint
 from stages.common.io import (
     OutLock, atomic_dir, atomic_write_json, atomic_write_text, check_outs, remove_outs, torch_save,
 )
+from stages.common.metrics_files import write_metrics
 from stages.common.params import to_dict
 
 from . import guards
@@ -49,6 +54,12 @@ from .train import train
 log = logging.getLogger("stages.reconstruct")
 
 MODEL_FORMAT = "rayforge-model-v1"
+# summary.json's figures in the metrics' full record (<stem>.full.json), and its headline for `dvc metrics show`
+METRICS_KEYS = ("method", "device", "gpu_name", "gpu_count", "world_size", "steps", "train_time_s", "samples_per_s",
+                "rays_per_s", "num_params", "peak_gpu_memory_bytes", "final_train_psnr", "final_test_psnr_sampled",
+                "global_batch_rays", "step_compute_s", "step_comm_s", "comm_fraction", "per_rank", "restarts",
+                "num_gaussians", "nonfinite_steps_skipped")
+METRICS_HEADLINE = ("method", "device", "world_size", "steps", "train_time_s", "rays_per_s")
 
 
 def pick_device(setting: str) -> torch.device:
@@ -132,9 +143,9 @@ def _run(params, poses_dir, out_dir, metrics_path, plots_path, seed, progress, c
         metrics = MetricsServer(dp.metrics_port, dp.metrics_addr, ctx.world_size, ctx.restart_count, params.steps)
     tb = tb_dir = None
     if ctx.is_main and params.tensorboard:
-        from .telemetry import TensorBoardLog
+        from .telemetry import TensorBoardLog, tensorboard_run_dir
 
-        tb_dir = Path(str(Path(out_dir)) + ".tb")
+        tb_dir = tensorboard_run_dir(out_dir, to_dict(params))
         tb = TensorBoardLog(tb_dir)
     live = None
     if ctx.is_main and params.viewer_port:
@@ -151,7 +162,7 @@ def _run(params, poses_dir, out_dir, metrics_path, plots_path, seed, progress, c
         for closing in (metrics, tb, live):
             if closing is not None:
                 closing.close()
-        if tb is not None and not ok:  # failed or interrupted: no <out>.tb/ left; a rerun writes from its checkpoint on
+        if tb is not None and not ok:  # failed or interrupted: not this run's folder; a rerun writes from its checkpoint on
             shutil.rmtree(tb_dir, ignore_errors=True)
     method = result.method
     config = to_dict(params)
@@ -171,7 +182,6 @@ def _run(params, poses_dir, out_dir, metrics_path, plots_path, seed, progress, c
         "final_train_psnr": result.final_psnr,
         "final_test_psnr_sampled": result.final_test_psnr,
         **method.summary(),
-        "skipped_steps": result.skipped_steps,
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
         "seed": seed,
@@ -199,17 +209,14 @@ def _run(params, poses_dir, out_dir, metrics_path, plots_path, seed, progress, c
                         "step": params.steps}, tmp / "checkpoint.pt")
             atomic_write_json(tmp / "summary.json", summary)
             if tb_dir is not None and tb_dir.is_dir():
-                shutil.copytree(tb_dir, tmp / "tensorboard")
+                shutil.copytree(tb_dir, tmp / "tensorboard" / tb_dir.name)
         if plots_path:
             atomic_write_text(plots_path, result.csv_text())
         if metrics_path:
-            atomic_write_json(metrics_path, {k: summary[k] for k in (
-                "method", "device", "gpu_name", "world_size", "steps", "train_time_s", "samples_per_s", "rays_per_s",
-                "num_params", "peak_gpu_memory_bytes", "final_train_psnr", "final_test_psnr_sampled")})
+            # num_gaussians: 3DGS only (method.summary())
+            write_metrics(metrics_path, {k: summary.get(k) for k in METRICS_KEYS if k in summary}, METRICS_HEADLINE)
         if store is not None:
             store.remove()  # the outs are complete: nothing left to resume
-        if tb_dir is not None:
-            shutil.rmtree(tb_dir, ignore_errors=True)  # its events now live in <out>/tensorboard
         log.info("wrote %s (%.1f s of training, %d parameters, %d process(es))", out_dir, result.train_time_s,
                  method.num_params, ctx.world_size)
     if ctx.active:

@@ -187,7 +187,7 @@ class ReconstructParams:
     steps: int = 2500
     batch_rays: int = 4096
     eval_every: int = 250
-    tensorboard: bool = True  # scalars in <out>.tb/ while training, kept in <out>/tensorboard/ at the end
+    tensorboard: bool = True  # scalars in <out>.tb/<run name>/ (kept: `tensorboard --logdir <out>.tb` compares runs)
     viewer_port: int = 0  # > 0: a live web viewer of the model on rank 0 while it trains (stages/viewer.py)
     nerf: NerfParams = field(default_factory=NerfParams)
     gs: GaussianParams = field(default_factory=GaussianParams)

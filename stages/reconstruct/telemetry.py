@@ -10,12 +10,19 @@ otherwise; ``metrics_port: 0`` turns it off. Metrics (all gauges):
 * ``rayforge_reconstruct_step_compute_seconds{rank}``, ``_step_comm_seconds{rank}`` (mean per step)
 * ``rayforge_reconstruct_gpu_memory_peak_bytes{rank}``
 
-:class:`TensorBoardLog` writes the same numbers as TensorBoard scalars.
+:class:`TensorBoardLog` writes the same numbers as TensorBoard scalars, one folder per run
+(:func:`tensorboard_run_dir`) under one root, so ``tensorboard --logdir <root>`` lays the runs
+of several experiments side by side.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import time
+from datetime import datetime
+from pathlib import Path
 
 import torch
 
@@ -157,6 +164,35 @@ class MetricsServer:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def run_name(config: dict, now: datetime | None = None) -> str:
+    """A TensorBoard run's name: the experiment's (``dvc exp run`` sets ``DVC_EXP_NAME``), else
+    the local start time and the first 8 hex digits of the sha256 of ``config`` (the resolved
+    reconstruct params), e.g. ``20261201-093012-3fa2c1d0``."""
+    name = os.environ.get("DVC_EXP_NAME", "").strip().replace("/", "_")
+    if name:
+        return name
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"{(now or datetime.now()).strftime('%Y%m%d-%H%M%S')}-{digest}"
+
+
+def tensorboard_run_dir(out_dir: str | Path, config: dict) -> Path:
+    """``<out>.tb/<run name>``: a new folder for this run's event files (``-2``, ``-3``... when the
+    name was taken), kept after training. Under ``dvc exp run --temp`` / ``--queue`` (``DVC_ROOT``
+    names the repository the experiment came from) the root is that repository's, not the
+    temporary copy's, so queued experiments land beside the others."""
+    out = Path(out_dir)
+    root_repo = os.environ.get("DVC_ROOT")
+    if root_repo and not out.is_absolute() and Path(root_repo).resolve() != Path.cwd().resolve():
+        out = Path(root_repo) / out
+    root = Path(str(out) + ".tb")
+    name = run_name(config)
+    folder, k = root / name, 1
+    while folder.exists():
+        k += 1
+        folder = root / f"{name}-{k}"
+    return folder
 
 
 class TensorBoardLog:
