@@ -72,7 +72,8 @@ log = logging.getLogger("evaluate")
 LPIPS_NOTE = "not computed: no LPIPS weights configured"
 MODEL_FILES = ("model.pt", "summary.json")
 # copied from <model>/summary.json into the metrics, in this order
-SUMMARY_KEYS = ("method", "steps", "train_time_s", "peak_gpu_memory_bytes", "num_params", "device", "gpu_name",
+SUMMARY_KEYS = ("method", "steps", "train_time_s", "peak_gpu_memory_bytes", "num_params", "num_gaussians", "device",
+                "gpu_name",
                 "gpu_count", "world_size", "samples_per_s", "seed")
 PARAMS_HASH_SECTIONS = ("seed", "reconstruct", "evaluate")
 HEADLINE = ("psnr", "ssim", "lpips", "fps")  # what `dvc metrics show` tabulates; the rest is in <stem>.full.json
@@ -641,6 +642,7 @@ def summarize(per_view: list[dict], summary: dict, model: Any, model_dir: Path, 
         metrics["num_params"] = getattr(model, "num_params", None)
     if metrics["method"] is None:
         metrics["method"] = getattr(model, "method", None)
+    metrics["method_settings"] = method_settings(summary.get("params"))
     weights = model_dir / "model.pt"
     metrics["model_size_bytes"] = weights.stat().st_size if weights.is_file() else None
     metrics["eval_device"] = str(getattr(model, "device", "unknown"))
@@ -648,6 +650,29 @@ def summarize(per_view: list[dict], summary: dict, model: Any, model_dir: Path, 
     metrics["orbit"] = orbit
     metrics["environment"] = env
     return metrics
+
+
+# the hyperparameters the report names beside the method (reconstruct section keys, dotted)
+METHOD_SETTINGS = {
+    "nerf": ("steps", "batch_rays", "nerf.levels", "nerf.log2_hashmap_size", "nerf.max_resolution",
+             "nerf.samples_per_ray", "nerf.lr", "nerf.occ_warmup_steps"),
+    "3dgs": ("steps", "gs.batch_views", "gs.sh_degree", "gs.ssim_lambda", "gs.means_lr", "gs.densify.refine_start",
+             "gs.densify.refine_stop", "gs.densify.refine_every", "gs.densify.grow_grad2d",
+             "gs.densify.reset_every", "gs.densify.max_gaussians", "gs.random_background"),
+}
+
+
+def method_settings(config: Any) -> dict | None:
+    """The method's main hyperparameters from summary.json's resolved params (None without them)."""
+    if not isinstance(config, dict):
+        return None
+    out = {"method": config.get("method")}
+    for key in METHOD_SETTINGS.get(config.get("method"), ()):
+        v: Any = config
+        for part in key.split("."):
+            v = v.get(part) if isinstance(v, dict) else None
+        out[key] = v
+    return out
 
 
 def ns_eval_results(per_view: list[dict], metrics: dict, model_dir: Path) -> dict:

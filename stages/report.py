@@ -62,6 +62,9 @@ class ReportParams:
     # bench_scaling.py JSON files (measured on GPU hosts, kept in benchmarks/results/) shown as
     # scaling tables, before any given with --scaling; relative to the params file's folder
     scaling: list[str] = field(default_factory=list)
+    # method benchmarks beside a peer (benchmarks/bench_3dgs.py: ours and gsplat in one run) shown
+    # as tables in an appendix; relative to the params file's folder
+    benchmarks: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         check(self.max_views >= 1, "max_views", "must be >= 1", self.max_views)
@@ -183,6 +186,41 @@ def read_scaling(path: str | Path) -> list[dict]:
                     "batch_rays_per_gpu": e.get("batch_rays_per_gpu"),
                     "global_batch_rays": e.get("global_batch_rays"), "source": path.as_posix(),
                     "gpu_names": gpus})
+    return out
+
+
+# ---------------------------------------------------------------- method benchmarks
+
+# columns of a method-benchmark table: (header, row key, decimals)
+BENCH_COLUMNS = (("scene", "scene", None), ("steps", "steps", None), ("implementation", "impl", None),
+                 ("train s", "train_s", 1), ("PSNR (dB)", "psnr", 2), ("SSIM", "ssim", 4),
+                 ("Gaussians", "gaussians", None), ("peak GB", "peak_gb", 2), ("render FPS", "fps", 0))
+
+
+def read_benchmark(path: str | Path) -> dict:
+    """A method benchmark beside its peer (``bench_3dgs.py --json``): ``{"environment": {...},
+    "rows": [{"scene", "steps", "impl", "train_s", "psnr", ...}]}``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"benchmark file not found: {path}")
+    doc = read_json(path)
+    rows = doc.get("rows") if isinstance(doc, dict) else None
+    need = ("scene", "steps", "impl", "train_s", "psnr")
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and all(k in r for k in need)
+                                                         for r in rows):
+        raise ValueError(f"{path}: expected {{\"environment\", \"rows\": [{{{', '.join(need)}, ...}}]}}")
+    return {"source": path.as_posix(), "environment": doc.get("environment") or {}, "rows": rows}
+
+
+def benchmark_rows(rows: list[dict]) -> list[list[str]]:
+    """Table rows, with each implementation's training time against the peer's of the same scene and steps."""
+    out = []
+    for r in rows:
+        cells = [fmt(r.get(key), nd) if nd is not None else fmt(r.get(key)) for _, key, nd in BENCH_COLUMNS]
+        peer = next((x for x in rows if x is not r and x.get("scene") == r.get("scene")
+                     and x.get("steps") == r.get("steps") and x.get("impl") != r.get("impl")), None)
+        ratio = (r["train_s"] / peer["train_s"]) if peer and peer.get("train_s") else None
+        out.append(cells[:4] + ([f"{ratio:.2f}x {peer['impl']}'s"] if ratio else [""]) + cells[4:])
     return out
 
 
@@ -476,6 +514,7 @@ def run(
     scaling: str | Path | Sequence[str | Path] | None = None,
     photos: str | None = None,
     references: str | Path = REFERENCES,
+    benchmarks: Sequence[str | Path] | None = None,
 ) -> dict:
     """Write ``report.md`` (+ ``assets/``) and ``report.html`` into ``out_dir``.
 
@@ -492,6 +531,7 @@ def run(
         scaling: a JSON file of runs at several GPU counts (:func:`read_scaling`), or several (one
             table each); None: no table.
         photos: ``ingest.photos``, for the reproduce block.
+        benchmarks: method benchmarks beside a peer (:func:`read_benchmark`), each an appendix table.
         references: the published-numbers file.
 
     Returns:
@@ -502,7 +542,8 @@ def run(
         Path, (evaluate_dir, metrics_dir, plots_csv, poses_dir, out_dir))
     check_outs({"--evaluate": evaluate_dir, "--metrics-dir": metrics_dir, "--plots": plots_csv, "--poses": poses_dir,
                 "references": references, **{f"scaling {f}": f for f in ([scaling] if isinstance(scaling, (str, Path))
-                                                                           else scaling or [])}}, {"--out": out_dir})
+                                                                           else scaling or [])},
+                **{f"benchmark {f}": f for f in benchmarks or []}}, {"--out": out_dir})
     ev = _read_metrics(metrics_dir / "evaluate.json", required=True)
     poses_m = _read_metrics(metrics_dir / "poses.json", required=False)
     rec_m = _read_metrics(metrics_dir / "reconstruct.json", required=False)
@@ -513,6 +554,7 @@ def run(
     elif isinstance(scaling, (str, Path)):
         scaling = [scaling]
     scaling_docs = [sc for f in scaling for sc in read_scaling(f)]  # all read and checked before anything is written
+    bench_docs = [read_benchmark(f) for f in benchmarks or []]
     refs = load_references(references)
     env = ev.get("environment") or {}
     method = ev.get("method") or "?"
@@ -563,6 +605,12 @@ def run(
         ["reconstruct", "parameters", fmt(ev.get("num_params"))
          + (f" (model.pt {fmt_bytes(ev['model_size_bytes'])})" if ev.get("model_size_bytes") else "")],
     ]
+    if ev.get("num_gaussians") is not None:
+        summary.append(["reconstruct", "Gaussians", fmt(ev["num_gaussians"])])
+    settings = ev.get("method_settings") if isinstance(ev.get("method_settings"), dict) else {}
+    if len(settings) > 1:
+        summary.append(["reconstruct", f"{fmt(settings.get('method'))} settings",
+                        ", ".join(f"{k} {fmt(v)}" for k, v in settings.items() if k != "method")])
     if isinstance(rec_m, dict) and rec_m.get("rays_per_s") is not None:
         summary.append(["reconstruct", "training throughput", f"{fmt(rec_m['rays_per_s'])} rays/s"
                         + (f", {fmt(rec_m['samples_per_s'])} samples/s" if rec_m.get("samples_per_s") else "")])
@@ -672,6 +720,15 @@ def run(
     doc.h2("All metrics")
     for name, rows in all_metrics:
         doc.details(name, ["key", "value"], rows, "all")
+    for bench in bench_docs:
+        env_b = bench["environment"]
+        doc.h2("Appendix: " + ", ".join(dict.fromkeys(str(r.get("impl")) for r in bench["rows"]))
+               + " side by side")
+        doc.para(f"Not this run: {bench['source']}, measured in one run on {env_b.get('gpu', 'n/a')} (torch "
+                 f"{env_b.get('torch', 'n/a')}{', gsplat ' + str(env_b['gsplat']) if env_b.get('gsplat') else ''}) "
+                 "on the same images, poses, split, starting Gaussians and metric code.", em=True)
+        headers = [h for h, _, _ in BENCH_COLUMNS]
+        doc.table(headers[:4] + ["time vs peer"] + headers[4:], benchmark_rows(bench["rows"]), "benchmark")
     if elsewhere:
         doc.h2("Appendix: scaling measured on other scenes")
         others = sorted({str(sc.get("scene") or "scene not recorded") for sc in elsewhere})
@@ -850,6 +907,7 @@ def main(argv: list[str] | None = None) -> int:
                   scene=_scene_name(photos),
                   test_every=test_every if isinstance(test_every, int) and test_every > 0 else None,
                   scaling=[args.params.parent / f for f in params.scaling] + list(args.scaling or []),
+                  benchmarks=[args.params.parent / f for f in params.benchmarks],
                   photos=photos if isinstance(photos, str) else None)
         print(f"Report: {out['html']}")
 

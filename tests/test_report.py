@@ -402,3 +402,21 @@ def test_missing_orbit_is_named(pipeline):
     with pytest.raises(ValueError, match=rf"{ev['orbit']['file']}: missing; evaluate.json names it"):
         report.run(report.ReportParams(max_views=1), root / "evaluate", root / "metrics",
                    root / "plots" / "train.csv", root / "poses", root / "report")
+
+
+def test_method_benchmarks_read_and_compare_to_their_peer(tmp_path):
+    from stages.report import benchmark_rows, read_benchmark
+
+    path = tmp_path / "bench.json"
+    rows = [{"scene": "lego", "steps": 7000, "impl": "rayforge", "train_s": 30.0, "psnr": 31.7, "ssim": 0.97,
+             "gaussians": 116197, "peak_gb": 0.36, "fps": 381},
+            {"scene": "lego", "steps": 7000, "impl": "gsplat", "train_s": 40.0, "psnr": 24.5, "ssim": 0.90,
+             "gaussians": 256223, "peak_gb": 0.54, "fps": 347}]
+    path.write_text(json.dumps({"environment": {"gpu": "NVIDIA H200"}, "rows": rows}))
+    doc = read_benchmark(path)
+    table = benchmark_rows(doc["rows"])
+    assert table[0][:5] == ["lego", "7,000", "rayforge", "30.0", "0.75x gsplat's"]
+    assert table[1][4] == "1.33x rayforge's" and table[1][5] == "24.50"
+    path.write_text(json.dumps({"rows": [{"scene": "lego"}]}))
+    with pytest.raises(ValueError, match="expected"):
+        read_benchmark(path)
