@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from _faults import ROOT, env, stage
+from reliability._faults import ROOT, env, stage
 
 AREA = "bad input: images"
 

@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-from _faults import TINY, write_params
+from reliability._faults import TINY, write_params
 
 MAINS = {"scene": "stages.scene", "ingest": "stages.ingest", "poses": "stages.poses",
          "reconstruct": "stages.reconstruct.__main__", "evaluate": "stages.evaluate", "report": "stages.report"}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from _faults import tree_digest, write_params
+from reliability._faults import tree_digest, write_params
 
 AREA = "data loss"
 

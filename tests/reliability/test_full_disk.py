@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from _faults import checkpoint_steps, spawn, stage, temporaries, wait_for, write_params
+from reliability._faults import checkpoint_steps, spawn, stage, temporaries, wait_for, write_params
 
 AREA = "fault: full disk"
 

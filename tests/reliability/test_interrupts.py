@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from _faults import (
+from reliability._faults import (
     ROOT, checkpoint_steps, descendants, env, kill_all, last_line, sigkill_root, spawn, stage, temporaries,
     wait_for, wait_gone, write_params,
 )

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from _faults import children, descendants, kill_all, sigkill_root, spawn, stage, temporaries, wait_for
+from reliability._faults import children, descendants, kill_all, sigkill_root, spawn, stage, temporaries, wait_for
 
 AREA = "leftovers"
 

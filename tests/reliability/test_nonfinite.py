@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from _faults import write_params
+from reliability._faults import write_params
 
 AREA = "fault: non-finite values"
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from _faults import ROOT, env, stage, write_params
+from reliability._faults import ROOT, env, stage, write_params
 
 AREA = "fault: out of memory"
 ADVICE = ("reconstruct.batch_rays", "ingest.max_size", "reconstruct.gs.max_gaussians")

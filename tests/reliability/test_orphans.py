@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from _faults import descendants, kill_all, sigkill_root, spawn, stage, wait_for, wait_gone, write_params
+from reliability._faults import descendants, kill_all, sigkill_root, spawn, stage, wait_for, wait_gone, write_params
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process trees read from /proc")
 

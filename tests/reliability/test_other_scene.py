@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from _faults import write_params
+from reliability._faults import write_params
 
 
 def test_checkpoint_of_another_scene_is_refused(tiny_poses, other_poses, tmp_path, reliability, capsys):

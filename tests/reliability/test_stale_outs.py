@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shutil
 
-from _faults import write_params
+from reliability._faults import write_params
 
 
 def _stale(*paths) -> None:
