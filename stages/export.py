@@ -127,33 +127,36 @@ def surface_colors(method, verts: np.ndarray, normals: np.ndarray, offset: float
 
 
 def training_cameras(poses_dir: Path):
-    """(intrinsics, [N, 4, 4] OpenCV camera-to-world) of the training views of ``poses_dir``."""
+    """(one Intrinsics per view, [N, 4, 4] OpenCV camera-to-world) of the training views of ``poses_dir``."""
     from stages.common.cameras import read_transforms
 
-    intr, files, c2w, _ = read_transforms(poses_dir / "transforms.json")
+    intrs, files, c2w, _ = read_transforms(poses_dir / "transforms.json")
     train = set(read_json(poses_dir / "split.json").get("train", []))
     keep = [k for k, f in enumerate(files) if Path(f).name in train]
     if not keep:
         raise ValueError(f"{poses_dir}/split.json names no training view of transforms.json")
-    return intr, c2w[keep]
+    return [intrs[k] for k in keep], c2w[keep]
 
 
 @torch.no_grad()
-def ray_points(method, intr, c2w: np.ndarray, n: int, min_opacity: float, chunk: int, seed: int,
+def ray_points(method, intrs, c2w: np.ndarray, n: int, min_opacity: float, chunk: int, seed: int,
                progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """(points [P, 3], uint8 colours [P, 3]) where ``n`` random training rays terminate."""
+    """(points [P, 3], uint8 colours [P, 3]) where ``n`` random training rays terminate (``intrs``:
+    each view's camera)."""
     from stages.reconstruct.data import pixel_rays
 
     g = torch.Generator().manual_seed(seed)
     c2w_t = torch.as_tensor(c2w, dtype=torch.float32)
+    cam = {k: torch.tensor([getattr(i, k) for i in intrs], dtype=torch.float32)
+           for k in ("fx", "fy", "cx", "cy", "width", "height")}
     pts, cols = [], []
     with _progress(n, "ray points", progress) as bar:
         for start in range(0, n, chunk):
             m = min(chunk, n - start)
             view = torch.randint(0, len(c2w_t), (m,), generator=g)
-            u = torch.randint(0, intr.width, (m,), generator=g)
-            v = torch.randint(0, intr.height, (m,), generator=g)
-            o, d = pixel_rays(intr, c2w_t[view], u, v)
+            u = (torch.rand(m, generator=g) * cam["width"][view]).floor()  # a pixel of each ray's own view
+            v = (torch.rand(m, generator=g) * cam["height"][view]).floor()
+            o, d = pixel_rays(tuple(cam[k][view] for k in ("fx", "fy", "cx", "cy")), c2w_t[view], u, v)
             r = method.render_ray_outputs(o.to(method.device), d.to(method.device))
             alpha, depth = r["alpha"].float().cpu(), r["depth"].float().cpu()
             keep = alpha >= min_opacity

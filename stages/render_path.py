@@ -118,9 +118,11 @@ def build_path(p: RenderPathParams, poses_dir: Path | None) -> tuple[CP.CameraPa
         raise ValueError(f"path {p.path!r} is made from the training cameras: give the poses folder")
     from stages.evaluate import scene_center
 
-    intr, files, c2w, doc = read_transforms(Path(poses_dir) / "transforms.json")
+    intrs, files, c2w, doc = read_transforms(Path(poses_dir) / "transforms.json")
     split = read_json(Path(poses_dir) / "split.json")
     train = set(split.get("train", []))
+    # the path's camera: the first training view's (a capture of several cameras renders at that one)
+    intr = next((i for f, i in zip(files, intrs) if Path(f).name in train), intrs[0])
     train_c2w = np.stack([m for f, m in zip(files, c2w) if Path(f).name in train]) if train else c2w
     center = scene_center(doc, train_c2w)
     if p.path == "orbit":

@@ -308,12 +308,13 @@ class Viewer:
 
         from stages.common.cameras import read_transforms
 
-        intr, files, c2w, _ = read_transforms(poses_dir / "transforms.json")
+        intrs, files, c2w, _ = read_transforms(poses_dir / "transforms.json")
         extent = float(np.ptp(c2w[:, :3, 3], axis=0).max()) or 1.0
-        fov = 2 * math.atan(intr.height / (2 * intr.fy))
-        for k, (f, m) in enumerate(zip(files, c2w)):
+        fovs = [2 * math.atan(i.height / (2 * i.fy)) for i in intrs]  # one camera per image
+        fov = fovs[0]
+        for k, (f, m, intr) in enumerate(zip(files, c2w, intrs)):
             self.frustums.append(self.server.scene.add_camera_frustum(
-                f"/cameras/{k:04d}", fov=fov, aspect=intr.width / intr.height, scale=0.05 * extent,
+                f"/cameras/{k:04d}", fov=fovs[k], aspect=intr.width / intr.height, scale=0.05 * extent,
                 color=(230, 120, 30), wxyz=vtf.SO3.from_matrix(m[:3, :3]).wxyz, position=m[:3, 3]))
         ply = poses_dir / "points3D.ply"
         if ply.is_file():
