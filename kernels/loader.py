@@ -300,21 +300,24 @@ def _run_nvrtc(source: Path, arch: str, kind: str, opts: Sequence[str],
         (compile_err,) = nvrtc.nvrtcCompileProgram(prog, len(encoded), encoded)
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
         _check_nvrtc(err, "nvrtcGetProgramLogSize")
-        buf = b" " * size
+        # NVRTC writes into the buffer: it must be a fresh mutable one. ``b" " * size`` is not: for a
+        # size of 0 or 1 it is CPython's shared empty / one-byte object, and writing the log's NUL
+        # into it corrupted every b" " of the process (torch.save's zip records among them).
+        buf = bytearray(size)
         (err,) = nvrtc.nvrtcGetProgramLog(prog, buf)
-        log = buf.rstrip(b"\x00").decode(errors="replace")
+        log = bytes(buf).rstrip(b"\x00").decode(errors="replace")
         if compile_err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise KernelCompileError(str(source), arch, log)
         if kind == "cubin":
             err, size = nvrtc.nvrtcGetCUBINSize(prog)
             _check_nvrtc(err, "nvrtcGetCUBINSize")
-            image = b" " * size
+            image = bytearray(size)
             (err,) = nvrtc.nvrtcGetCUBIN(prog, image)
             _check_nvrtc(err, "nvrtcGetCUBIN")
         else:
             err, size = nvrtc.nvrtcGetPTXSize(prog)
             _check_nvrtc(err, "nvrtcGetPTXSize")
-            image = b" " * size
+            image = bytearray(size)
             (err,) = nvrtc.nvrtcGetPTX(prog, image)  # NUL-terminated, as cuModuleLoadData wants
             _check_nvrtc(err, "nvrtcGetPTX")
         lowered = {}

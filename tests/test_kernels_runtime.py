@@ -68,6 +68,25 @@ def test_every_source_compiles_without_a_gpu(source, arch, tmp_path):
         assert "warning" not in compiled.log, compiled.log
 
 
+def test_a_compile_leaves_pythons_shared_bytes_alone():
+    # NVRTC writes its log (an empty one: one NUL byte) into the buffer it is given; a buffer made as
+    # b" " * 1 is CPython's shared one-byte object, and writing into it broke every later b" " of
+    # the process: torch.load then refused each checkpoint torch.save wrote. In a child process so
+    # that a regression cannot spoil the rest of this session.
+    code = textwrap.dedent(f"""
+        import io, torch
+        from kernels import loader
+        loader.compile_source(loader.CSRC_DIR / "ssim.cu", "sm_80", cache_dir=False)
+        buf = io.BytesIO()
+        torch.save({{"x": torch.arange(32.0), "empty": torch.zeros(0, dtype=torch.uint8)}}, buf)
+        back = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+        assert back["x"].tolist() == list(range(32)) and back["empty"].numel() == 0
+    """)
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 def test_cache_hits_and_misses(tiny, tmp_path):
     cache = tmp_path / "cache"
 
