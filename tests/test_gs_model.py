@@ -492,6 +492,9 @@ def test_ply_round_trip_is_bit_exact(tmp_path, degree):
     assert names[9:-8] == [f"f_rest_{i}" for i in range(3 * (k - 1))]
     assert names[-8:] == ["opacity", "scale_0", "scale_1", "scale_2", "rot_0", "rot_1", "rot_2", "rot_3"]
     assert header[1] == "format binary_little_endian 1.0" and header[2] == "element vertex 257"
+    empty = {name: value[:0] for name, value in params.items()}  # no Gaussians at all
+    save_ply(tmp_path / "empty.ply", empty)
+    assert {n: v.shape for n, v in load_ply(tmp_path / "empty.ply").items()} == {n: v.shape for n, v in empty.items()}
     if degree:  # channel-major f_rest: the first K - 1 values of a row are red's coefficients
         row = np.frombuffer((tmp_path / "g.ply").read_bytes()[-257 * 4 * len(names):], "<f4")
         row = row.reshape(257, len(names))[5]

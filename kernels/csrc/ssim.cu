@@ -65,6 +65,20 @@ __device__ __forceinline__ void blur_column(const float (*src)[SSIM_SPAN][SSIM_T
   }
 }
 
+// Both passes over a patch the whole block has written (this thread's pixel of the tile into out).
+// Every thread of the block must call it (two barriers); out-of-image threads discard the result.
+template <int M>
+__device__ __forceinline__ void blur_patch(const float (*patch)[SSIM_SPAN][SSIM_SPAN],
+                                           float (*rows)[SSIM_SPAN][SSIM_TILE],
+                                           const float* __restrict__ taps, float (&out)[M]) {
+  float w[SSIM_TAPS];
+  load_taps(taps, w);
+  __syncthreads();
+  blur_rows<M>(patch, rows, w, threadIdx.y * SSIM_TILE + threadIdx.x);
+  __syncthreads();
+  blur_column<M>(rows, w, threadIdx.y, threadIdx.x, out);
+}
+
 // Forward: the SSIM map and, when dm_mu1 is not null, the partials the backward needs.
 __global__ void ssim_fwd(const float* __restrict__ img1,     // [P, H, W]
                          const float* __restrict__ img2,     // [P, H, W]
@@ -90,15 +104,10 @@ __global__ void ssim_fwd(const float* __restrict__ img1,     // [P, H, W]
     patch[3][r][c] = b * b;
     patch[4][r][c] = a * b;
   }
-  float w[SSIM_TAPS];
-  load_taps(taps, w);
-  __syncthreads();
-  blur_rows<5>(patch, rows, w, tid);
-  __syncthreads();
+  float m[5];
+  blur_patch<5>(patch, rows, taps, m);
   const int x = blockIdx.x * SSIM_TILE + tx, y = blockIdx.y * SSIM_TILE + ty;
   if (x >= W || y >= H) return;  // after the last barrier
-  float m[5];
-  blur_column<5>(rows, w, ty, tx, m);
   const float mu1 = m[0], mu2 = m[1];
   const float s11 = m[2] - mu1 * mu1, s22 = m[3] - mu2 * mu2, s12 = m[4] - mu1 * mu2;
   const float A = 2.0f * mu1 * mu2 + SSIM_C1, B = 2.0f * s12 + SSIM_C2;
@@ -151,15 +160,10 @@ __global__ void ssim_bwd(const float* __restrict__ img1,        // [P, H, W]
 #pragma unroll
     for (int m = 0; m < 4; ++m) patch[m][r][c] = v[m];
   }
-  float w[SSIM_TAPS];
-  load_taps(taps, w);
-  __syncthreads();
-  blur_rows<4>(patch, rows, w, tid);
-  __syncthreads();
+  float t[4];
+  blur_patch<4>(patch, rows, taps, t);
   const int x = blockIdx.x * SSIM_TILE + tx, y = blockIdx.y * SSIM_TILE + ty;
   if (x >= W || y >= H) return;
-  float t[4];
-  blur_column<4>(rows, w, ty, tx, t);
   const long long at = base + (long long)y * W + x;
   const float a = __ldg(img1 + at), b = __ldg(img2 + at);
   grad1[at] = t[0] + 2.0f * a * t[2] + b * t[3];

@@ -136,7 +136,7 @@ def knn_distances(points: Tensor, k: int = 3, *, query_chunk: int = 2**16,
     neighbour cells, so once the k-th nearest candidate is within h the answer is exact. Points not
     settled at one cell size go on to twice the size, until one cell spans the whole set (then every
     point is a candidate). Cost is about (points x candidates per point) per level; memory is bounded by
-    ``max_pairs`` candidate pairs at a time. 100k points take about a second on two CPU cores.
+    ``max_pairs`` candidate pairs at a time. 100k points take seconds on one CPU core.
 
     Args:
         points: [P, 3] float32 (other float types are cast), finite, P > k, any device.

@@ -65,7 +65,7 @@ def _columns(params: Mapping[str, Tensor]) -> tuple[Tensor, int]:
             raise ValueError(f"params[{name!r}] is not finite in {bad} of {n} Gaussians; "
                              "a non-finite model is not written")
     rows = torch.cat([parts["means"], torch.zeros(n, 3), parts["sh0"][:, 0],
-                      parts["shN"].transpose(1, 2).reshape(n, -1), parts["opacities"][:, None],
+                      parts["shN"].transpose(1, 2).reshape(n, 3 * sh_n.shape[1]), parts["opacities"][:, None],
                       parts["scales"], parts["quats"]], 1)
     return rows, degree
 
