@@ -127,6 +127,7 @@ def run(
                       "step_comm_s": round(v[3], 6)} for r, v in enumerate(result.per_rank)],
         "resumed_from_step": result.resumed_from_step,
         "restarts": ctx.restart_count,
+        **({"partitioned": result.parallel} if result.parallel else {}),  # parallel.Partitioned's figures
         "params": config,
     }
     if ctx.is_main:
@@ -148,7 +149,8 @@ def run(
         if metrics_path:
             atomic_write_json(metrics_path, {k: summary[k] for k in (
                 "method", "device", "gpu_name", "world_size", "steps", "train_time_s", "samples_per_s", "rays_per_s",
-                "num_params", "peak_gpu_memory_bytes", "final_train_psnr", "final_test_psnr_sampled")})
+                "num_params", "peak_gpu_memory_bytes", "final_train_psnr", "final_test_psnr_sampled",
+                *(("partitioned",) if "partitioned" in summary else ()))})
         if store is not None:
             store.remove()  # the outs are complete: nothing left to resume
         if tb_dir is not None:
