@@ -357,10 +357,39 @@ def _ckpt_worker(rank: int, world: int, init: str, folder: str, out: str, poses:
     params = part_params({"steps": 30, "eval_every": 30, "distributed": {"checkpoint_every": 10}})
     res = train(params, load_scene(poses), torch.device("cpu"), 0, progress=False, ctx=ctx,
                 checkpoints=CheckpointStore(folder))
+    moved = _rebalance_check(ctx, params, load_scene(poses)) if world == 2 else None
     if rank == 0:
         torch.save({"resumed": res.resumed_from_step, "n": res.method.n, "parallel": res.parallel,
-                    "loss": res.rows[-1]["loss"], "means": res.method.gaussians["means"].detach()}, out)
+                    "loss": res.rows[-1]["loss"], "moved": moved}, out)
     dist.destroy_process_group()
+
+
+def _rebalance_check(ctx, params, scene) -> dict:
+    """Rank 0's shard grows by 100 rows (densification would); the strategy's re-split must even the
+    counts and keep every row, with its Adam moments and statistics, in global order."""
+    from stages.reconstruct.gs.densify import append_rows
+    from stages.reconstruct.gs.shards import exchange_counts, gather_to_main, layout, pack
+    from stages.reconstruct.methods import build_method
+    from stages.reconstruct.parallel import Partitioned
+
+    torch.manual_seed(3)
+    m = build_method(params, scene.aabb, torch.device("cpu"), scene.background, scene)
+    strategy = Partitioned(ctx, params.distributed)
+    strategy.start(m, resumed=False)
+    for p in m.parameters():
+        p.grad = torch.randn_like(p)
+    m.optimizer_step(0, torch.zeros(()))  # Adam moments exist
+    if ctx.rank == 0:
+        append_rows(m.gaussians, m.optimizers, {k: v.detach()[:100] * 1.5 for k, v in m.gaussians.items()})
+    m.densify.stats = {k: torch.rand(m.n) for k in ("grad2d", "count", "radii")}
+    lay = layout(m)
+    before_counts = exchange_counts(ctx, m.n)
+    before = gather_to_main(ctx, pack(m, lay), before_counts)
+    strategy._rebalance_rows()
+    after_counts = exchange_counts(ctx, m.n)
+    after = gather_to_main(ctx, pack(m, layout(m)), after_counts)
+    return {"before": before_counts, "after": after_counts, "same": before is None or bool(torch.equal(before, after)),
+            "columns": len(lay), "moves": strategy.shard_moves}
 
 
 def _train_ranks(world: int, tmp: Path, folder: Path, poses: Path, tag: str) -> dict:
@@ -388,6 +417,9 @@ def test_shard_checkpoints_resume_on_the_same_or_another_world_size(poses, tmp_p
 
     again = _train_ranks(2, tmp_path, folder, poses, "again")
     assert again["resumed"] == 20 and again["n"] == first["n"]
+    moved = again["moved"]  # and rows re-split after a shard grew
+    assert moved["before"] == [300, 200] and moved["after"] == [250, 250] and moved["moves"] == 1
+    assert moved["same"] and moved["columns"] == 6 + 12 + 3  # parameters, 2 Adam moments each, statistics
     assert abs(again["loss"] - first["loss"]) < 0.02 * first["loss"]  # tile ranges follow timing: not bitwise
 
     three = _train_ranks(3, tmp_path, broken, poses, "three")
