@@ -17,7 +17,7 @@ signature) is:
 
 Backward runs the same way round: the image's gradient on a rank's own tiles is already there (every
 rank holds the same loss), the rasterizer's backward gives the gradients of the received attributes,
-and the reverse all-to-all (:class:`_Exchange`) returns them to the owners, where they are summed per
+and the reverse all-to-all (:class:`_Link`) returns them to the owners, where they are summed per
 Gaussian over every rank that drew it, and the owner's projection and SH backward run locally. So the
 view-space gradient densification reads (``meta["means2d"].grad``, and ``.absgrad``) is each
 Gaussian's whole gradient, on its owner.
@@ -261,7 +261,7 @@ class RenderRecord:
 
 
 class _Link:
-    """The forward and reverse all-to-all of one render's 2D attributes (what :class:`_Exchange` calls)."""
+    """The forward and reverse all-to-all of one render's 2D attributes (through :class:`_Collective`)."""
 
     def __init__(self, group_active: bool, send: list[int], recv: list[int], rank: int, index: torch.Tensor,
                  n_local: int, colours: int, absgrad: bool, owner_means2d, record: RenderRecord | None, clock,
@@ -303,21 +303,23 @@ class _Link:
         return out
 
 
-class _Exchange(torch.autograd.Function):
-    """rows [S, F] in send order -> the rows every rank sent here [R, F]; backward: the reverse."""
+class _Collective(torch.autograd.Function):
+    """``op.forward(x)`` with ``op.backward`` as its gradient: the exchange (:class:`_Link`: rows
+    [S, F] in send order -> the rows every rank sent here [R, F]) and the image assembly
+    (:class:`_Gather`: this rank's tiles -> every tile)."""
 
     @staticmethod
-    def forward(ctx, rows, link: _Link):
-        ctx.link = link
-        return link.forward(rows)
+    def forward(ctx, x, op):
+        ctx.op = op
+        return op.forward(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.link.backward(grad), None
+        return ctx.op.backward(grad), None
 
 
 class _Gather:
-    """The whole image's tiles from every rank's own range (what :class:`_Assemble` calls)."""
+    """The whole image's tiles from every rank's own range (through :class:`_Collective`)."""
 
     def __init__(self, active: bool, bounds: list[int], rank: int, record: RenderRecord | None, clock):
         self.active, self.bounds, self.rank, self.record, self.clock = active, bounds, rank, record, clock
@@ -336,19 +338,6 @@ class _Gather:
             self.record.marks[2] = self.clock.mark()
         # every rank computed the same loss of the same image: its gradient on this rank's tiles is here
         return grad[self.bounds[self.rank]:self.bounds[self.rank + 1]].contiguous()
-
-
-class _Assemble(torch.autograd.Function):
-    """This rank's tiles [n, ts, ts, F] -> every tile of the image [n_tiles, ts, ts, F]."""
-
-    @staticmethod
-    def forward(ctx, tiles, gather: _Gather):
-        ctx.gather = gather
-        return gather.forward(tiles)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.gather.backward(grad), None
 
 
 def to_tiles(image: torch.Tensor, tile_size: int, tile_width: int, tile_height: int) -> torch.Tensor:
@@ -446,7 +435,7 @@ class PartitionedRenderer:
         send, recv = self._split_sizes(dest.sum(1))
         link = _Link(self.active, send, recv, self.rank, index, n_local, D, absgrad, means2d, record, self.clock,
                      self.counters)
-        received = _Exchange.apply(packed.index_select(0, index), link)
+        received = _Collective.apply(packed.index_select(0, index), link)
 
         # 3. this rank's tiles
         marks = record.marks if record is not None else [None] * 4
@@ -457,7 +446,7 @@ class PartitionedRenderer:
 
         # 4. the whole image on every rank
         gather = _Gather(self.active, bounds, self.rank, record, self.clock)
-        image = from_tiles(_Assemble.apply(tiles, gather), tw, th, width, height)[None]
+        image = from_tiles(_Collective.apply(tiles, gather), tw, th, width, height)[None]
         if record is not None:  # bytes of training renders (evaluation renders are not counted)
             c = self.counters
             fwd = (sum(send) - send[self.rank]) * packed.shape[1] * 4

@@ -200,7 +200,8 @@ def save_shard(folder: Path, contents: dict) -> dict:
             "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def _read_shard(folder: Path, info: dict) -> dict:
+def _shard_bytes(folder: Path, info: dict) -> bytes:
+    """A shard file's bytes, checked against the digest its manifest recorded."""
     path = Path(folder) / info["file"]
     try:
         data = path.read_bytes()
@@ -208,6 +209,12 @@ def _read_shard(folder: Path, info: dict) -> dict:
         raise CorruptCheckpoint(f"cannot read shard {path}: {exc}") from None
     if hashlib.sha256(data).hexdigest() != info["sha256"]:
         raise CorruptCheckpoint(f"{path}: sha256 does not match the manifest")
+    return data
+
+
+def _read_shard(folder: Path, info: dict) -> dict:
+    path = Path(folder) / info["file"]
+    data = _shard_bytes(folder, info)
     try:
         blob = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # a damaged zip or pickle raises several types
@@ -220,13 +227,7 @@ def _read_shard(folder: Path, info: dict) -> dict:
 def verify_shards(folder: Path, shards: list[dict]) -> None:
     """Raise :class:`CorruptCheckpoint` unless every shard reads back with its recorded digest."""
     for info in shards:
-        path = Path(folder) / info["file"]
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise CorruptCheckpoint(f"cannot read shard {path}: {exc}") from None
-        if hashlib.sha256(data).hexdigest() != info["sha256"]:
-            raise CorruptCheckpoint(f"{path}: sha256 does not match the manifest")
+        _shard_bytes(folder, info)
 
 
 def read_rows(folder: Path, shards: list[dict], lo: int, hi: int) -> dict:
