@@ -410,7 +410,8 @@ def test_shard_checkpoints_resume_on_the_same_or_another_world_size(poses, tmp_p
 
     three = _train_ranks(3, tmp_path, broken, poses, "three")
     assert three["resumed"] == 10  # step 20's set is not whole
-    assert len(three["parallel"]["gaussians_per_rank"]) == 3 and three["n"] == sum(three["parallel"]["gaussians_per_rank"])
+    per_rank = three["parallel"]["gaussians_per_rank"]
+    assert len(per_rank) == 3 and three["n"] == sum(per_rank)
     assert abs(three["loss"] - first["loss"]) < 0.1 * first["loss"]
     # step 20 rewritten by 3 ranks; the 2 ranks' shards of step 20 are gone with the set they belonged to
     assert sorted(p.name for p in broken.glob("step_00000020.shard*")) == [
