@@ -702,6 +702,7 @@ def run(
         doc.para(curve_note, em=True)
     else:
         doc.figure("training_curve.png", "training curve")
+    _partitioned_section(doc, rec_m.get("partitioned") if isinstance(rec_m, dict) else None)
     here = [sc for sc in scaling_docs if same_scene(sc.get("scene"), scene)]
     elsewhere = [sc for sc in scaling_docs if not same_scene(sc.get("scene"), scene)]
     if here:
@@ -778,6 +779,35 @@ def _published_section(doc: Doc, ref: dict | None, scene: str, ev: dict, method:
     doc.para("Protocol differences to keep in mind:")
     doc.bullets(protocol_differences(ref, ev, method))
     return len(rows)
+
+
+def _partitioned_section(doc: Doc, part: Any) -> None:
+    """The figures of a ``distributed.mode: partitioned`` run (reconstruct.json's ``partitioned``): per
+    rank its Gaussians, rasterization time and bytes sent per step; the step's communication; the load
+    imbalance over training. Nothing when the run was not partitioned."""
+    if not isinstance(part, dict):
+        return
+
+    def at(key: str, r: int) -> Any:
+        values = part.get(key)
+        return values[r] if isinstance(values, list) and r < len(values) else None
+
+    doc.h2("Partitioned training")
+    ranks = range(len(part.get("gaussians_per_rank") or []))
+    doc.table(["rank", "Gaussians (end)", "rasterization ms / step", "bytes sent / step"],
+              [[str(r), fmt(at("gaussians_per_rank", r)), fmt(at("render_ms_per_rank", r), 2),
+                fmt_bytes(at("comm_bytes_per_step_per_rank", r))] for r in ranks], "partitioned")
+    c = part.get("comm_bytes_per_step") if isinstance(part.get("comm_bytes_per_step"), dict) else {}
+    doc.para(f"Sent per training step by all ranks together: {fmt_bytes(c.get('total'))} (2D Gaussians to the "
+             f"tiles' ranks {fmt_bytes(c.get('fwd'))}, their gradients back {fmt_bytes(c.get('bwd'))}, image tiles "
+             f"{fmt_bytes(c.get('image'))}, split sizes and step figures {fmt_bytes(c.get('other'))}). Mean load "
+             f"imbalance (slowest rank's rasterization time / fastest's - 1) {fmt(part.get('mean_imbalance'), 3)}; "
+             f"tile ranges re-split {fmt(part.get('tile_resplits'))} times, Gaussian shards "
+             f"{fmt(part.get('shard_moves'))} times.")
+    series = [p for p in part.get("imbalance") or [] if isinstance(p, dict)]
+    if series:
+        doc.details("Load imbalance over training", ["from step", "imbalance"],
+                    [[fmt(p.get("step")), fmt(p.get("imbalance"), 3)] for p in series], "imbalance")
 
 
 _BASIS = {"rays_per_s": "training rays/s", "samples_per_s": "samples/s", "wall_s": "1 / wall time"}

@@ -58,7 +58,7 @@ MODEL_FORMAT = "rayforge-model-v1"
 METRICS_KEYS = ("method", "device", "gpu_name", "gpu_count", "world_size", "steps", "train_time_s", "samples_per_s",
                 "rays_per_s", "num_params", "peak_gpu_memory_bytes", "final_train_psnr", "final_test_psnr_sampled",
                 "global_batch_rays", "step_compute_s", "step_comm_s", "comm_fraction", "per_rank", "restarts",
-                "num_gaussians", "nonfinite_steps_skipped")
+                "num_gaussians", "nonfinite_steps_skipped", "partitioned")
 METRICS_HEADLINE = ("method", "device", "world_size", "steps", "train_time_s", "rays_per_s")
 
 
@@ -196,6 +196,7 @@ def _run(params, poses_dir, out_dir, metrics_path, plots_path, seed, progress, c
         "restarts": ctx.restart_count,
         "data_fingerprint": None if data is None else data["fingerprint"],
         **(guards.current().summary() if guards.current() is not None else {}),
+        **({"partitioned": result.parallel} if result.parallel else {}),  # parallel.Partitioned's figures
         "params": config,
     }
     if ctx.is_main:

@@ -115,7 +115,7 @@ class Expectation:
     method: str
     config: dict
     seed: int
-    world_size: int
+    world_size: int | None  # None: any (a partitioned run re-splits its shards)
     operational: frozenset[str] = frozenset()  # the method's OPERATIONAL_KEYS
     version: int | None = None  # the method's VERSION (None: not compared)
     data: dict | None = None  # {"fingerprint", "poses"} of this run's training data; None: not compared
@@ -135,7 +135,7 @@ class Expectation:
             diffs.append(f"{self.method} version: {blob.get('method_version', 1)} -> {self.version}")
         if blob["seed"] != self.seed:
             diffs.append(f"seed: {blob['seed']!r} -> {self.seed!r}")
-        if blob["world_size"] != self.world_size:
+        if self.world_size is not None and blob["world_size"] != self.world_size:
             diffs.append(f"world size: {blob['world_size']} -> {self.world_size} processes")
         diffs += config_differences(blob["config"], self.config, self.operational)
         if diffs:

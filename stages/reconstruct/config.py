@@ -102,9 +102,10 @@ class DistributedParams:
     # to overlap and the hooks cost time (2xH200: 1000 steps in 11.3 s with it, 10.1 s without)
     overlap_comm: bool = False
     grad_wire_dtype: Literal["float32", "bfloat16"] = "float32"  # dense buckets sent (and summed) in this type
-    # replicated: every rank holds the whole model (data parallel). partitioned (3DGS, issue 21): each
-    # rank owns a shard of the Gaussians and renders a range of image tiles.
-    mode: Literal["replicated"] = "replicated"
+    # replicated: every rank holds the whole model (data parallel). partitioned (3DGS only): each rank
+    # owns a shard of the Gaussians and renders a range of every image's tiles; all ranks train on the
+    # same views, gs.densify.max_gaussians is per rank (docs/distributed.md)
+    mode: Literal["replicated", "partitioned"] = "replicated"
     checkpoint_every: int = 500  # steps; 0 = never
     max_restarts: int = 3  # torchrun restarts of the whole worker group after a failure
     replica_check_every: int = 100  # steps between checksum comparisons; 0 = at checkpoints and the end only
@@ -199,6 +200,9 @@ class ReconstructParams:
         check(self.eval_every >= 1, "eval_every", "must be >= 1", self.eval_every)
         check(0 <= self.viewer_port < 65536, "viewer_port", "must be in 0..65535 (0 = off)", self.viewer_port)
         switch(self, "kernels")
+        check(self.distributed.mode != "partitioned" or self.method == "3dgs", "distributed.mode",
+              f"partitioned shards 3D Gaussians: needs method 3dgs (method is {self.method!r})",
+              self.distributed.mode)
 
 
 def migrate_config(config: dict) -> dict:

@@ -131,6 +131,8 @@ def expectation(params, seed: int, world_size: int):
     from .checkpoint import Expectation
 
     cls = method_class(params.method)
+    if params.distributed.mode == "partitioned":
+        world_size = None  # shards are re-split over any world size
     return Expectation(params.method, to_dict(params), seed, world_size, cls.OPERATIONAL_KEYS, cls.VERSION)
 
 

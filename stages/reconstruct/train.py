@@ -87,6 +87,7 @@ class TrainResult:
     per_rank: list[list[float]] = field(default_factory=list)  # last [samples/s, units/s, compute, comm, peak GB]
     skipped_steps: int = 0  # steps whose loss or gradients were not finite (no update)
     rebinds: int = 0  # times the parameter set changed (densification) and the reducer was rebuilt
+    parallel: dict | None = None  # the strategy's figures (partitioned: per-rank render time, bytes, shards)
 
     def csv_text(self) -> str:
         buf = io.StringIO()
@@ -112,9 +113,11 @@ def shared_generator(seed: int, device: torch.device) -> torch.Generator:
 class _Rng:
     """Every generator one rank draws from, and how to save and restore them."""
 
-    def __init__(self, seed: int, ctx: DistContext, micro_batches: int, device: torch.device):
+    def __init__(self, seed: int, ctx: DistContext, micro_batches: int, device: torch.device,
+                 shard_rank: int | None = None):
         self.device = device
-        self.shards = [seeded_generator(seed, ctx.rank * micro_batches + m, device) for m in range(micro_batches)]
+        rank = ctx.rank if shard_rank is None else shard_rank  # whose shard streams (parallel strategy)
+        self.shards = [seeded_generator(seed, rank * micro_batches + m, device) for m in range(micro_batches)]
         self.grid = shared_generator(seed, device)
         self.eval = seeded_generator(seed + 7, 0, device)
 
@@ -233,6 +236,7 @@ class Trainer:
         self.checkpoints, self.metrics, self.tensorboard, self.live = checkpoints, metrics, tensorboard, live
         dp = params.distributed
         self.M, self.world = dp.micro_batches, ctx.world_size
+        self.strategy = make_strategy(ctx, dp, params.method)
         torch.manual_seed(seed * _STREAMS)  # every rank initialises as rank 0 would (and rank 0's copy is broadcast)
         self.method = method = build_method(params, scene.aabb, device, scene.background, scene)
         batch = method.batch_size()
@@ -240,15 +244,15 @@ class Trainer:
             raise ValueError(f"the batch ({batch} per process) must be a multiple of "
                              f"reconstruct.distributed.micro_batches ({self.M})")
         self.micro = batch // self.M
-        self.factor = lr_scale(dp.lr_scaling, self.world)
+        self.factor = lr_scale(dp.lr_scaling, self.strategy.batch_ranks)
         for name, opt in method.optimizers.items():
             scale_learning_rates(opt, method.schedulers.get(name), self.factor)
         torch.manual_seed(seed * _STREAMS + ctx.rank)
-        self.rng = _Rng(seed, ctx, self.M, device if device.type == "cuda" else torch.device("cpu"))
+        self.rng = _Rng(seed, ctx, self.M, device if device.type == "cuda" else torch.device("cpu"),
+                        self.strategy.sampler_rank)
         self.train_views = method.place(scene.train)
         self.test_views = scene.test.to(device)
         self.samplers = [method.make_sampler(self.train_views, g) for g in self.rng.shards]
-        self.strategy = make_strategy(ctx, dp)
         self.res = TrainResult(method, world_size=self.world, lr_scale=self.factor)
         self.start, self.prior_elapsed, self.prior_samples = 0, 0.0, 0.0
         resumed = self._resume()
@@ -264,7 +268,9 @@ class Trainer:
     def _resume(self) -> bool:
         if self.checkpoints is None:
             return False
-        blob = _resume(self.checkpoints, expectation(self.params, self.seed, self.world), self.ctx)
+        expect = expectation(self.params, self.seed, self.world)
+        blob = (self.strategy.load_checkpoint(self.checkpoints, expect) if self.strategy.sharded
+                else _resume(self.checkpoints, expect, self.ctx))
         if blob is None:
             return False
         m = self.method
@@ -284,18 +290,21 @@ class Trainer:
         return True
 
     def _save_checkpoint(self, done: int, elapsed: float, samples: float) -> None:
+        m, p = self.method, self.params
+        head = {"format": CKPT_FORMAT, "method": p.method, "method_version": m.VERSION, "config": to_dict(p),
+                "seed": self.seed, "world_size": self.world, "step": done, "lr_scale": self.factor}
+        progress = {"rows": self.res.rows, "elapsed_s": elapsed, "samples": samples,
+                    "skipped_steps": self.res.skipped_steps + len(self.guard.skipped)}
+        if self.strategy.sharded:  # a shard per rank and a manifest (parallel.Partitioned)
+            self.strategy.save_checkpoint(self.checkpoints, head, progress, m, self.rng.state())
+            return
         rngs = all_gather_objects(self.ctx, self.rng.state())
         local = all_gather_objects(self.ctx, self.method.local_state())
         if not self.strategy.saves:
             return
-        m, p = self.method, self.params
         self.checkpoints.save({
-            "format": CKPT_FORMAT, "method": p.method, "method_version": m.VERSION, "config": to_dict(p),
-            "seed": self.seed, "world_size": self.world, "step": done, "lr_scale": self.factor,
-            "state": m.state_dict(), "optimizers": all_optimizer_state(m), "schedulers": all_scheduler_state(m),
-            "rng": rngs, "local": local,
-            "progress": {"rows": self.res.rows, "elapsed_s": elapsed, "samples": samples,
-                         "skipped_steps": self.res.skipped_steps + len(self.guard.skipped)},
+            **head, "state": m.state_dict(), "optimizers": all_optimizer_state(m),
+            "schedulers": all_scheduler_state(m), "rng": rngs, "local": local, "progress": progress,
         })
         log.debug("checkpoint of step %d written to %s", done, self.checkpoints.folder)
 
@@ -398,9 +407,11 @@ class Trainer:
                                     device=ctx.device if ctx.backend == "nccl" else "cpu")
                 res.per_rank = all_gather_tensor(ctx, mine).cpu().tolist()
                 mark_t, mark_samples, mark_step = time.perf_counter(), local_samples, done
-                if ctx.is_main and ((done % p.eval_every == 0) or last):
+                # a sharded model renders on every rank together (the same view: same eval generator)
+                if (ctx.is_main or self.strategy.sharded) and ((done % p.eval_every == 0) or last):
                     tp = m.quick_test_psnr(self.test_views, self.rng.eval)
                     row["test_psnr"] = None if tp is None else round(tp, 3)
+                if ctx.is_main and ((done % p.eval_every == 0) or last):
                     log.info("step %d/%d loss %.5f train psnr %.2f test psnr %s (%.1f s)", done, p.steps,
                              loss_now, row["psnr"], "n/a" if tp is None else f"{tp:.2f}", elapsed)
                     if self.world > 1:
@@ -422,13 +433,14 @@ class Trainer:
         self.guard.flush()
         prof.at(p.steps)
         self.strategy.close()
+        res.parallel = self.strategy.summary()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         comp, comm, n = timer.flush()
         run_compute, run_comm, run_steps = run_compute + comp, run_comm + comm, run_steps + n
         res.train_time_s = self.prior_elapsed + time.perf_counter() - t0
         res.samples_per_s = (self.prior_samples + float(sums[2])) / max(res.train_time_s, 1e-9)
-        res.rays_per_s = p.steps * m.batch_size() * self.world / max(res.train_time_s, 1e-9)
+        res.rays_per_s = p.steps * m.batch_size() * self.strategy.batch_ranks / max(res.train_time_s, 1e-9)
         res.skipped_steps += len(self.guard.skipped)
         if run_steps:
             res.step_compute_s, res.step_comm_s = run_compute / run_steps, run_comm / run_steps

@@ -165,7 +165,7 @@ class GaussianMethod:
         import kernels
 
         g = self.gaussians
-        return kernels.rasterization(
+        return (self.renderer or kernels.rasterization)(
             g["means"], g["quats"], torch.exp(g["scales"]), torch.sigmoid(g["opacities"]),
             torch.cat([g["sh0"], g["shN"]], dim=1), viewmats, Ks, width, height, sh_degree=sh_degree,
             backgrounds=backgrounds, near_plane=self.cfg.near, far_plane=self.cfg.far, eps2d=self.cfg.eps2d,
@@ -312,6 +312,9 @@ class GaussianMethod:
 
     _step = 0
     _shared: torch.Generator | None = None
+    # kernels.rasterization's stand-in, set by a parallel strategy (parallel.Partitioned: this rank's shard
+    # of the Gaussians rendered with the other ranks'); None renders with kernels.rasterization
+    renderer = None
 
 
 def _reduced(strategy, stats: dict) -> dict:
