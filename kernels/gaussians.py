@@ -156,7 +156,8 @@ def _cuda():
 
 def project_gaussians(means, quats, scales, viewmats, Ks, width: int, height: int, *, eps2d: float = 0.3,
                       near: float = 0.01, far: float = 1e10, radius_clip: float = 0.0,
-                      antialiased: bool = False, opacities=None, radii_per_axis: bool = False) -> Projection:
+                      antialiased: bool = False, opacities=None, radii_per_axis: bool = False,
+                      validate: bool = True) -> Projection:
     """EWA projection of 3D Gaussians into C pinhole cameras (gsplat ``fully_fused_projection``).
 
     ``Sigma = R S S^T R^T`` (R from the normalised quaternion), ``Sigma_2d = J W Sigma W^T J^T + eps2d I``
@@ -177,6 +178,9 @@ def project_gaussians(means, quats, scales, viewmats, Ks, width: int, height: in
         opacities: optional [N]: the opacity-aware box and cull above.
         radii_per_axis: radii [C, N, 2] (x, y half-sizes, gsplat 1.5's layout) instead of their
             maximum [C, N].
+        validate: check the values (finite, non-zero quaternions, cameras) as :func:`rasterization`
+            does; that check reads back to the host, so a training loop that guards its own steps
+            passes False. Shapes, dtypes and devices are checked either way.
 
     Returns:
         :class:`Projection`; differentiable in means, quats, scales.
@@ -187,7 +191,8 @@ def project_gaussians(means, quats, scales, viewmats, Ks, width: int, height: in
     _check_planes(eps2d, near, far, radius_clip)
     if opacities is not None:
         _check("opacities", opacities, ("N",), sizes, device=means.device)
-    _check_values(means, quats, scales, viewmats, Ks)
+    if validate:
+        _check_values(means, quats, scales, viewmats, Ks)
     return _project(means, quats, scales, viewmats, Ks, width, height, eps2d, near, far, radius_clip,
                     antialiased, opacities, radii_per_axis)
 

@@ -393,7 +393,7 @@ class PartitionedRenderer:
     def __call__(self, means, quats, scales, opacities, colors, viewmats, Ks, width: int, height: int, *,
                  sh_degree: int | None = None, backgrounds=None, render_mode: str = "RGB",
                  near_plane: float = 0.01, far_plane: float = 1e10, eps2d: float = 0.3, radius_clip: float = 0.0,
-                 antialiased: bool = False, absgrad: bool = False, tile_size: int = 16):
+                 antialiased: bool = False, absgrad: bool = False, tile_size: int = 16, validate: bool = True):
         if render_mode != "RGB":
             raise ValueError(f"partitioned rendering draws render_mode 'RGB' only, got {render_mode!r}")
         if viewmats.ndim != 3 or viewmats.shape[0] != 1:
@@ -407,7 +407,8 @@ class PartitionedRenderer:
         # 1. this rank's Gaussians: projection and colours (as kernels.rasterization computes them)
         proj = kernels.project_gaussians(means, quats, scales, viewmats, Ks, width, height, eps2d=eps2d,
                                          near=near_plane, far=far_plane, radius_clip=radius_clip,
-                                         antialiased=antialiased, opacities=opacities, radii_per_axis=True)
+                                         antialiased=antialiased, opacities=opacities, radii_per_axis=True,
+                                         validate=validate)
         opac = opacities[None] * proj.compensations if proj.compensations is not None else opacities[None]
         if sh_degree is None:
             rgb = colors[None]
