@@ -169,4 +169,9 @@ def cli(main: Callable[[], int]) -> None:
     """``if __name__ == "__main__": cli(main)``: see the module docstring."""
     die_with_parent()
     signal.signal(signal.SIGTERM, _raise_interrupted)
-    sys.exit(main())
+    rc = main()
+    # The work is over and its status decided: a second Ctrl-C (the terminal's and a launcher's
+    # forwarded copy of the first) landing while the interpreter shuts down must not turn exit 130
+    # into a death by SIGINT, which DVC and shells report as another failure.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(rc)

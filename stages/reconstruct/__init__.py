@@ -164,6 +164,10 @@ def _run(params, poses_dir, out_dir, metrics_path, plots_path, seed, progress, c
                 closing.close()
         if tb is not None and not ok:  # failed or interrupted: not this run's folder; a rerun writes from its checkpoint on
             shutil.rmtree(tb_dir, ignore_errors=True)
+            try:
+                tb_dir.parent.rmdir()  # <out>.tb itself when no other run's folder is in it
+            except OSError:
+                pass
     method = result.method
     config = to_dict(params)
     comm = result.step_comm_s
