@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from kernels import HashGrid
+from kernels._reference import contract_reference
 
 from ..config import NerfParams
 
@@ -114,13 +115,15 @@ class NerfField(nn.Module):
 
     Args:
         cfg: the NeRF params.
-        aabb: [2, 3] scene box; points outside it have zero density.
+        aabb: [2, 3] scene box; points outside it have zero density, unless ``scene_contraction``
+            maps the whole world into the encoding's cube (the box in its middle half per axis).
         use_kernels: whether the hash encoding runs the CUDA kernel (None = when possible).
     """
 
     def __init__(self, cfg: NerfParams, aabb: torch.Tensor, use_kernels: bool | None = None):
         super().__init__()
         self.register_buffer("aabb", aabb.clone().float())
+        self.contract = cfg.scene_contraction == "mipnerf360"
         self.encoding = HashGrid(
             levels=cfg.levels,
             features_per_level=cfg.features_per_level,
@@ -147,16 +150,28 @@ class NerfField(nn.Module):
         # floaters (nerf_synthetic lego: 14 dB test PSNR) before the colour has moved to white.
         self.background = nn.Parameter(torch.zeros(3))
         self.register_buffer("fixed_background", torch.full((3,), -1.0))
+        self.half = torch.bfloat16 if cfg.mlp_precision == "bfloat16" else None
+
+    def _mlp(self, net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``net(x)`` in float32, or under bfloat16 autocast (``mlp_precision``) and read back as
+        float32 (no autocast weight cache: a CUDA graph replays the casts with the live weights)."""
+        if self.half is None:
+            return net(x)
+        with torch.autocast(x.device.type, dtype=self.half, cache_enabled=False):
+            return net(x).float()
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        if self.contract:
+            return contract_reference(x, self.aabb)
         return (x - self.aabb[0]) / (self.aabb[1] - self.aabb[0])
 
     def density(self, x: torch.Tensor, return_feat: bool = False):
         """Density [N] (and geometry features [N, geo_feat_dim]) at world points [N, 3]."""
         xn = self.normalize(x)
-        inside = ((xn >= 0) & (xn <= 1)).all(dim=-1)
-        h = self.density_mlp(self.encoding(xn.clamp(0.0, 1.0)))
-        sigma = trunc_exp(h[:, 0] - 1.0) * inside
+        h = self._mlp(self.density_mlp, self.encoding(xn.clamp(0.0, 1.0)))
+        sigma = trunc_exp(h[:, 0] - 1.0)
+        if not self.contract:
+            sigma = sigma * ((xn >= 0) & (xn <= 1)).all(dim=-1)
         return (sigma, h[:, 1:]) if return_feat else sigma
 
     def forward(self, x: torch.Tensor, d: torch.Tensor | None = None,
@@ -167,7 +182,7 @@ class NerfField(nn.Module):
         if d_enc is None:
             d_enc = sh_encode_deg4(d)
         sigma, feat = self.density(x, return_feat=True)
-        rgb = torch.sigmoid(self.color_mlp(torch.cat([feat, d_enc], dim=-1)))
+        rgb = torch.sigmoid(self._mlp(self.color_mlp, torch.cat([feat, d_enc], dim=-1)))
         return sigma, rgb
 
     def background_rgb(self) -> torch.Tensor:
