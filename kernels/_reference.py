@@ -164,7 +164,7 @@ def march_steps_reference(origins: torch.Tensor, dirs: torch.Tensor, jitter: tor
 
     Contracted (the scene beyond the box squeezed into a shell, :func:`contract_reference`):
     linear steps ``t = near + (s + jitter) dt`` up to T1 = max(the box exit, the point nearest the
-    box centre, near + dt), then steps uniform in disparity, ``t = 1 / (1/T1 - (k + jitter) dd)``
+    box centre, near + half the box diagonal), then steps uniform in disparity, ``t = 1 / (1/T1 - (k + jitter) dd)``
     for the k-th one with ``dd = dt / T1^2`` (so the step length ``dd t^2`` starts at dt) while
     ``1/t`` stays above ``FAR_RATIO / T1``, as mip-NeRF 360's sampling in disparity beyond the
     inner region (and nerfstudio's lin-disp sampler).
@@ -179,8 +179,9 @@ def march_steps_reference(origins: torch.Tensor, dirs: torch.Tensor, jitter: tor
     c = (aabb[0] + aabb[1]) * 0.5
     w = (c - origins) * dirs
     t_close = (w[:, 0] + w[:, 1]) + w[:, 2]
-    near_dt = torch.full_like(tmax, near) + torch.full_like(tmax, dt)  # a float32 sum, as the kernel's
-    t1_end = torch.maximum(torch.maximum(tmax, t_close), near_dt)
+    e = aabb[1] - aabb[0]
+    reach = ((e[0] * e[0] + e[1] * e[1]) + e[2] * e[2]).sqrt() * 0.5  # half the box diagonal
+    t1_end = torch.maximum(torch.maximum(tmax, t_close), torch.full_like(tmax, near) + reach)
     t_lin = near + (s[None, :] + j) * dt
     lin = t_lin < t1_end[:, None]
     n1 = lin.sum(dim=1, keepdim=True).to(origins.dtype)

@@ -74,7 +74,8 @@ __device__ __forceinline__ u32 contracted_cell(const float (&p)[3], const float*
 // One thread per ray. Box (CONTRACT = false): sample s (0 <= s < max_samples) sits at
 // t = tmin + (s + jitter) * dt and is kept when t < tmax and its occupancy cell is set (occ ==
 // nullptr: every cell). CONTRACT = true (march_steps_reference): linear steps t = near + (s +
-// jitter) * dt up to T1 = max(box exit, the ray's point nearest the box centre, near + dt), then
+// jitter) * dt up to T1 = max(box exit, the ray's point nearest the box centre, near + half the box
+// diagonal), then
 // steps uniform in disparity, t = 1 / (1/T1 - (k + jitter) * dd), dd = dt / T1^2, while 1/t >
 // far_ratio / T1; each sample's step length (dt, or dd t^2) goes to steps_out, and cells are those
 // of the contracted space. WRITE = false: counts[ray] = kept samples. WRITE = true: the kept samples
@@ -120,7 +121,12 @@ __global__ void march_rays(const float* __restrict__ origins,     // [R, 3]
       w[k] = __fmul_rn(__fsub_rn(centre, o[k]), d[k]);
     }
     const float t_close = __fadd_rn(__fadd_rn(w[0], w[1]), w[2]);
-    t1_end = fmaxf(fmaxf(tmax, t_close), __fadd_rn(near, dt));
+    float e[3];
+#pragma unroll
+    for (int k = 0; k < 3; ++k) e[k] = __fsub_rn(__ldg(aabb + 3 + k), __ldg(aabb + k));
+    const float reach = __fmul_rn(__fsqrt_rn(__fadd_rn(__fadd_rn(__fmul_rn(e[0], e[0]), __fmul_rn(e[1], e[1])),
+                                                       __fmul_rn(e[2], e[2]))), 0.5f);  // half the diagonal
+    t1_end = fmaxf(fmaxf(tmax, t_close), __fadd_rn(near, reach));
     inv = __fdiv_rn(1.0f, t1_end);
     dd = __fdiv_rn(dt, __fmul_rn(t1_end, t1_end));
     inv_far = __fmul_rn(inv, far_ratio);

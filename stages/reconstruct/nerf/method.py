@@ -275,6 +275,19 @@ class NerfMethod:
         return out
 
     def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or not {"field", "grid"} <= set(state):
+            keys = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"not a NeRF model state (it has {keys}; a NeRF's has 'field' and 'grid'): a "
+                             "model of another method, or a file that is not a model")
+        mine = {**{f"field.{k}": v for k, v in self.field.state_dict().items()},
+                **{f"grid.{k}": v for k, v in self.grid.state_dict().items()}}
+        saved = {**{f"field.{k}": v for k, v in state["field"].items()},
+                 **{f"grid.{k}": v for k, v in state["grid"].items()}}
+        wrong = [f"{k}: saved {tuple(v.shape)}, this config {tuple(mine[k].shape)}"
+                 for k, v in saved.items() if k in mine and tuple(v.shape) != tuple(mine[k].shape)]
+        if wrong:
+            raise ValueError("the NeRF state does not fit reconstruct.nerf's sizes (a model of another config: "
+                             "levels, log2_hashmap_size, hidden_dim, occ_resolution, ...): " + "; ".join(wrong))
         field = dict(state["field"])
         field.setdefault("fixed_background", torch.full((3,), -1.0))  # models saved before it existed
         self.field.load_state_dict(field)
