@@ -165,11 +165,11 @@ def test_graph_step_gives_the_eager_gradients_and_trains_alike():
         losses, first_grads = [], None
         for step in range(30):
             m.step_pre_forward(step, gen)
-            info = m.forward_backward(*_batch(step), gen)
+            info = m.forward_backward(_batch(step), gen)
             losses.append(float(info["mse"]))
             if step == 1:  # step 0 ran eagerly in both modes (same parameters); step 1 is the first replay
                 first_grads = [p.grad.clone() for p in m.parameters()]
-            m.optimizer_step()
+            m.optimizer_step(step, torch.zeros(1, device="cuda"))  # no step skipped
         runs[mode] = (losses, first_grads, m)
     (l_off, g_off, _), (l_on, g_on, m_on) = runs["off"], runs["on"]
     assert m_on.graphed is not None and m_on.graphed.captures >= 1 and m_on.graphed.overflow_steps == 0
@@ -184,16 +184,16 @@ def test_graph_step_gives_the_eager_gradients_and_trains_alike():
 def test_graph_budget_grows_after_an_overflow():
     m = _method("on")
     gen = torch.Generator(device="cuda").manual_seed(1)
-    m.forward_backward(*_batch(0), gen)  # eager: observes the count
+    m.forward_backward(_batch(0), gen)  # eager: observes the count
     m.graphed.observe(1000)  # pretend the last count was tiny: the next capture gets a budget far too small
-    m.forward_backward(*_batch(1), gen)
+    m.forward_backward(_batch(1), gen)
     small = m.graphed.capacity
     assert small == budget_for(1000)
     for step in range(2, 8):
-        m.optimizer_step()
-        m.forward_backward(*_batch(step), gen)
+        m.optimizer_step(step, torch.zeros(1, device="cuda"))
+        m.forward_backward(_batch(step), gen)
     torch.cuda.synchronize()
-    m.forward_backward(*_batch(9), gen)
+    m.forward_backward(_batch(9), gen)
     assert m.graphed.overflow_steps >= 1 and m.graphed.capacity > small
     assert m.graphed.capacity >= m.graphed.max_count
 
@@ -202,13 +202,13 @@ def test_graph_budget_grows_after_an_overflow():
 @requires_gpu
 def test_graph_step_accumulates_micro_batches_and_rebinds_after_the_optimizer():
     m = _method("on")
-    m.forward_backward(*_batch(0), torch.Generator(device="cuda").manual_seed(2))  # eager: the count
+    m.forward_backward(_batch(0), torch.Generator(device="cuda").manual_seed(2))  # eager: the count
     grads = []
     for clear in (True, True, False):
         if clear:  # what optimizer_step's zero_grad(set_to_none=True) leaves
             for p in m.parameters():
                 p.grad = None
-        m.forward_backward(*_batch(1), torch.Generator(device="cuda").manual_seed(3))  # same rays and jitter
+        m.forward_backward(_batch(1), torch.Generator(device="cuda").manual_seed(3))  # same rays and jitter
         grads.append([p.grad.clone() for p in m.parameters()])
     assert m.graphed.captures == 1
     assert sum(float(g.norm()) for g in grads[0]) > 0

@@ -334,3 +334,34 @@ def test_gpu_graph_step_skips_a_nan_step_without_a_sync(table_optimizer):
     assert m.graphed.captures >= 1 and m.graphed.replays >= 3
     assert changed == [True, True, True, True, False, True], changed
     assert all(bool(torch.isfinite(p).all()) for p in m.parameters())
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_gpu_graph_follows_the_ray_budget_and_mixed_precision(precision):
+    """target_samples on the CUDA-graph path: each revision that moves the ray count captures the step
+    again (at most one capture per revision plus the budget's own regrowth), the samples per step end
+    near the target, and the bfloat16 MLP trains under capture as the float32 one does."""
+    torch.manual_seed(0)
+    scene = _scene()
+    nerf = NerfParams(**{**TINY, "samples_per_ray": 64}, fused_render="on", cuda_graph="on",
+                      target_samples=1 << 14, occ_update_every=8, mlp_precision=precision)
+    m = NerfMethod(ReconstructParams(nerf=nerf, steps=200, batch_rays=1024, kernels="on"), AABB.cuda(),
+                   torch.device("cuda"), None, scene)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sampler = m.make_sampler(m.place(scene.train), gen)
+    losses, rays = [], []
+    for step in range(120):
+        m.step_pre_forward(step, torch.Generator(device="cuda").manual_seed(step))
+        batch = sampler.sample(m.batch_size())
+        rays.append(batch[0].shape[0])
+        info = m.forward_backward(batch, gen)
+        losses.append(float(info["mse"]))
+        m.optimizer_step(step, torch.zeros(1, device="cuda"))
+    b = m.summary()["ray_budget"]
+    assert len(set(rays)) > 1 and b["revisions"] >= 1
+    assert m.graphed.captures <= 2 * (b["revisions"] + 1) + 2, (m.graphed.captures, b)
+    per_ray = m.graphed.flush() / m.graphed.rays
+    assert abs(math.log2(rays[-1] * per_ray / (1 << 14))) < 0.5, (rays[-1], per_ray)
+    assert all(math.isfinite(x) for x in losses) and sum(losses[-10:]) < sum(losses[:10])
