@@ -247,3 +247,29 @@ def composite_reference(sigma: torch.Tensor, rgb: torch.Tensor, t: torch.Tensor,
     trans = torch.cumprod(torch.cat([torch.ones_like(alpha[:, :1]), 1.0 - alpha + 1e-10], dim=1), dim=1)[:, :-1]
     w = alpha * trans
     return (w[..., None] * dense_rgb).sum(dim=1), w.sum(dim=1), (w * dense_t).sum(dim=1)
+
+
+# ---------------------------------------------------------------- optimiser (csrc/adam.cu)
+
+
+@torch.no_grad()
+def sparse_adam_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                          steps: torch.Tensor, lr: float, betas: tuple[float, float] = (0.9, 0.99),
+                          eps: float = 1e-15, found_inf: torch.Tensor | None = None) -> None:
+    """Adam in place on the entries whose gradient is not 0 (tiny-cuda-nn's rule for non-matrix
+    parameters): ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``, ``s += 1``, ``p -= lr
+    sqrt(1 - b2^s) / (1 - b1^s) m / (sqrt(v) + eps)``; nothing changes where ``found_inf`` != 0."""
+    b1, b2 = betas
+    hit = grad != 0
+    if found_inf is not None:
+        hit &= found_inf.reshape(()) == 0
+    m = torch.where(hit, exp_avg * b1 + grad * (1 - b1), exp_avg)
+    v = torch.where(hit, exp_avg_sq * b2 + grad * grad * (1 - b2), exp_avg_sq)
+    s = steps + hit.to(torch.int32)
+    t = s.clamp(min=1).float()
+    scale = torch.sqrt(1 - torch.pow(b2, t)) / (1 - torch.pow(b1, t))
+    update = (lr * scale) * m / (v.sqrt() + eps)
+    param.sub_(torch.where(hit, update, torch.zeros((), device=param.device)))
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    steps.copy_(s)

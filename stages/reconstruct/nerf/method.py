@@ -89,10 +89,10 @@ class NerfMethod:
         )
         self.optimizers = {"field": self.optimizer}
         if cfg.table_optimizer == "sparse":
-            self.optimizers["table"] = TableAdam(enc, lr=cfg.lr, betas=(0.9, 0.99), eps=1e-15)
+            self.optimizers["table"] = TableAdam(enc, lr=cfg.lr, betas=(0.9, 0.99), eps=1e-15,
+                                                 use_kernels=self.use_kernels)
         self.schedulers = {name: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg, steps))
                            for name, opt in self.optimizers.items()}
-        self.scheduler = self.schedulers["field"]
 
     def _captured_step(self, setting: str, overlap_comm: bool):
         """The CUDA-graph training step (nerf/graph.py), or None for eager steps."""

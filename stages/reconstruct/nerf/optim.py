@@ -26,24 +26,28 @@ from typing import Callable, Iterator
 
 import torch
 
+import kernels
+
 from ..config import NerfParams
 
 
 class TableAdam(torch.optim.Optimizer):
     """Adam for a hash table, as tiny-cuda-nn steps its non-matrix parameters: entries whose
     gradient is exactly 0 are left alone (no step, no moment decay), and each entry's bias
-    correction counts its own steps.
+    correction counts its own steps (:func:`kernels.sparse_adam_step`: one CUDA launch on a GPU).
 
     Like torch's fused Adam it reads a ``found_inf`` attribute (a [1] float tensor on the device,
     set by :func:`stages.reconstruct.methods.step_optimizers`): when it is non-zero nothing moves,
     without a host sync. No weight decay (instant-ngp puts none on the table).
     """
 
-    def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.99), eps: float = 1e-15):
+    def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.99), eps: float = 1e-15,
+                 use_kernels: bool | None = None):
         if not lr > 0:
             raise ValueError(f"lr must be > 0, got {lr}")
         # "fused": the flag methods.step_optimizers looks for to hand over found_inf on the device
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "fused": True})
+        self.use_kernels = use_kernels
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -51,28 +55,17 @@ class TableAdam(torch.optim.Optimizer):
             raise ValueError("TableAdam takes no closure")
         found_inf = getattr(self, "found_inf", None)
         for group in self.param_groups:
-            b1, b2 = group["betas"]
             for p in group["params"]:
-                g = p.grad
-                if g is None:
+                if p.grad is None:
                     continue
                 st = self.state[p]
                 if not st:
                     st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
                     st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
                     st["steps"] = torch.zeros_like(p, dtype=torch.int32)
-                g = g.float()
-                hit = g != 0
-                if found_inf is not None:
-                    hit &= found_inf.reshape(()) == 0
-                m, v, n = st["exp_avg"], st["exp_avg_sq"], st["steps"]
-                m.copy_(torch.where(hit, m * b1 + g * (1 - b1), m))
-                v.copy_(torch.where(hit, v * b2 + g * g * (1 - b2), v))
-                n.add_(hit.to(torch.int32))
-                t = n.clamp(min=1).float()
-                scale = torch.sqrt(1 - torch.pow(b2, t)) / (1 - torch.pow(b1, t))
-                update = (group["lr"] * scale) * m / (v.sqrt() + group["eps"])
-                p.sub_(torch.where(hit, update, torch.zeros((), device=p.device)).to(p.dtype))
+                kernels.sparse_adam_step(p.data, p.grad.float().contiguous(), st["exp_avg"], st["exp_avg_sq"],
+                                         st["steps"], group["lr"], group["betas"], group["eps"], found_inf,
+                                         use_kernels=self.use_kernels)
 
 
 def lr_factor(cfg: NerfParams, steps: int) -> Callable[[int], float]:
