@@ -186,7 +186,7 @@ def march_steps_reference(origins: torch.Tensor, dirs: torch.Tensor, jitter: tor
     lin = t_lin < t1_end[:, None]
     n1 = lin.sum(dim=1, keepdim=True).to(origins.dtype)
     inv = 1.0 / t1_end[:, None]
-    dd = dt / (t1_end * t1_end)[:, None]
+    dd = (torch.full_like(t1_end, dt) / (t1_end * t1_end))[:, None]  # one rounding (scalar / tensor: two)
     den = inv - ((s[None, :] - n1) + j) * dd
     far = den > inv * FAR_RATIO
     t_disp = 1.0 / torch.where(lin | ~far, torch.ones_like(den), den)
