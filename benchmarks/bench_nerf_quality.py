@@ -237,9 +237,9 @@ def run_scene(name: str, poses: Path, method: str, args, device: torch.device) -
         t = snap["time_s"]
         rows.append({**snap, "psnr": psnr, "ssim": ssim, "worst_view_psnr": min(per_view),
                      "samples_per_s": snap["samples"] / t, "units_per_s": snap["units"] / t})
-        print(f"  {snap['budget']:6.0f} s: step {snap['steps']:6d}, {psnr:6.2f} dB, SSIM {ssim:.4f} "
+        print(f"  {snap['budget']:6g} s: step {snap['steps']:6d}, {psnr:6.2f} dB, SSIM {ssim:.4f} "
               f"(worst view {min(per_view):.2f} dB)", flush=True)
-    timing = render_time(fresh, scene, device) if rows else None
+    timing = render_time(fresh, scene, device, args.render_side) if rows else None
     summary = run["method"].summary() if run["method"] is not None else {}
     return {"scene": name, "method": method, "poses": str(poses), "rows": rows, "stopped": run["stopped"],
             "peak_memory_bytes": run["peak_memory_bytes"], "render_800": timing,
@@ -310,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contraction", choices=["auto", "on", "off"], default="auto",
                     help="scene contraction for the NeRF: auto = for scenes without alpha or a known background")
     ap.add_argument("--max-views", type=int, default=0, help="evaluate at most this many test views (0: all)")
+    ap.add_argument("--render-side", type=int, default=800, help="longest side of the timed render (px)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--allow-cpu", action="store_true", help="run on the CPU (a smoke test with tiny budgets)")
     ap.add_argument("--json", type=Path, help="write the results here")
