@@ -395,3 +395,26 @@ def test_gpu_sparse_adam_kernel_matches_the_reference():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     untouched = res[True][3] == 0
     assert bool(untouched.any()) and torch.equal(res[True][0][untouched], p0[untouched])
+
+
+def test_appearance_codes_train_per_image_and_views_render_with_their_mean():
+    """Two images of the same ball at different exposures: with appearance codes the field explains
+    the difference per image (a lower loss than without), and a model loaded without its scene
+    renders with the mean code."""
+    scene = _scene()
+    dark = scene.train.pixels.view(len(scene.train), -1, 3)
+    dark[::2] = (dark[::2].float() * 0.5).to(torch.uint8)  # every other view at half the exposure
+    losses = {}
+    for dim in (0, 8):
+        m = _method(scene, appearance_dim=dim, lr=3e-2)
+        losses[dim] = sum(_train(m, scene, 40)[-10:])
+    assert losses[8] < losses[0], losses
+    codes = m.field.appearance.weight
+    assert codes.shape == (len(scene.train), 8) and codes.grad is None  # dropped by the optimizer step
+    loaded = _method(None, appearance_dim=8)  # as load_trained builds it: no scene, one placeholder code
+    loaded.load_state_dict(m.state_dict())
+    o, d = torch.tensor([[1.5, 0.0, 0.2]]), torch.tensor([[-1.0, 0.0, 0.0]])
+    assert torch.equal(loaded.render_rays(o, d), m.render_rays(o, d))
+    torch.testing.assert_close(loaded.field.mean_appearance(), codes.detach().mean(0, keepdim=True))
+    with pytest.raises(ValueError, match="appearance"):
+        _method(scene).load_state_dict(m.state_dict())

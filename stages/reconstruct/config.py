@@ -66,6 +66,10 @@ class NerfParams:
     # disparity (up to 3 x samples_per_ray steps). The box is then the cameras' and the sparse points'
     # (nerf/method.py contraction_box). "none": the scene is the box.
     scene_contraction: Literal["none", "mipnerf360"] = "none"
+    # A learned code of this many values per training image fed to the colour MLP (nerfacto's
+    # appearance embedding, for captures whose exposure or white balance changes); views are rendered
+    # with the mean code. 0 = off.
+    appearance_dim: int = 0
     # Packed-sample renderer (kernels.march_rays / kernels.composite): "on" everywhere (CUDA kernels on
     # a GPU, their references on the CPU), "auto" where the CUDA kernels run, "off" the dense one.
     fused_render: Literal["auto", "on", "off"] | bool = "auto"
@@ -102,6 +106,7 @@ class NerfParams:
         check(self.target_samples == 0 or self.target_samples >= 1024, "target_samples",
               "must be 0 (off) or >= 1024", self.target_samples)
         check(self.near >= 0, "near", "must be >= 0", self.near)
+        check(0 <= self.appearance_dim <= 256, "appearance_dim", "must be in 0..256", self.appearance_dim)
         for key in ("fused_render", "cuda_graph", "random_background"):
             switch(self, key)
 

@@ -44,7 +44,8 @@ class NerfMethod:
             check_scene(scene, aabb)
             if cfg.scene_contraction != "none":
                 aabb = contraction_box(scene)
-        self.field = NerfField(cfg, aabb, use_kernels=self.use_kernels).to(device)
+        images = len(scene.train) if scene is not None else 1  # appearance codes; a loaded model brings its own
+        self.field = NerfField(cfg, aabb, use_kernels=self.use_kernels, num_images=images).to(device)
         alpha = scene is not None and scene.train.channels == 4
         if background is None and alpha:  # views with alpha render onto white (what evaluate composites on)
             background = (1.0, 1.0, 1.0)
@@ -125,6 +126,8 @@ class NerfMethod:
 
     def make_sampler(self, views, generator: torch.Generator):
         sampler = RaySampler(views, generator)
+        if self.field.appearance is not None:  # batches carry each ray's image (its appearance code)
+            sampler.sample = sampler.sample_indexed
         return sampler if self.budget is None else _BudgetedSampler(sampler, self.budget)
 
     def occ_schedule(self) -> tuple[int, int, int]:
@@ -150,22 +153,24 @@ class NerfMethod:
             prune=step >= warmup,
         )
 
-    def loss(self, o, d, rgb, generator: torch.Generator, background: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, dict]:
+    def loss(self, o, d, rgb, generator: torch.Generator, background: torch.Tensor | None = None,
+             appearance: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         out = render_rays(
             self.field, self.grid, o, d, self.step_size, self.max_steps,
             near=self.cfg.near, perturb=True, generator=generator, fused=self.fused, background=background,
+            appearance=appearance,
         )
         mse = torch.nn.functional.mse_loss(out["rgb"], rgb)
         return mse, {"mse": mse.detach(), "num_samples": out["num_samples"]}
 
     def packed_loss(self, o, d, rgb, jitter: torch.Tensor, capacity: int | None = None,
-                    background: torch.Tensor | None = None):
+                    background: torch.Tensor | None = None, image: torch.Tensor | None = None):
         """(mse, render output) of the packed renderer with the sample ``jitter`` given and an
         optional fixed sample budget: the body of a CUDA-graph step (nerf/graph.py) and of the eager
-        step that sizes its first budget."""
+        step that sizes its first budget. ``image``: each ray's training image (appearance codes)."""
         out = render_packed(self.field, self.grid, o, d, jitter, self.step_size, self.max_steps,
-                            self.cfg.near, capacity=capacity, background=background)
+                            self.cfg.near, capacity=capacity, background=background,
+                            appearance=None if image is None else self.field.appearance(image))
         return torch.nn.functional.mse_loss(out["rgb"], rgb), out
 
     def targets(self, rgb: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -185,20 +190,22 @@ class NerfMethod:
         ``.grad``; returns ``loss`` (= ``mse``) and ``num_samples`` (device tensors).
         ``before_backward`` is called between the forward and the backward of an eager step (a
         replayed graph step has no such point)."""
-        o, d, rgb = batch
+        o, d, rgb, *image = batch
+        image = image[0] if image else None  # with appearance codes: each ray's training image
         rgb, bg = self.targets(rgb, generator)  # drawn before the jitter on both paths
         self._last_count = (None, o.shape[0])
         if self.graphed is not None:
             jitter = sample_jitter(o.shape[0], True, generator, self.device)  # as render_rays draws it
-            got = self.graphed(o, d, rgb, jitter, bg)
+            got = self.graphed(o, d, rgb, jitter, bg, image)
             if got is not None:
                 return {"loss": got[0], "mse": got[0], "num_samples": got[1]}
             # no sample count yet to size the graph's budget: this step runs eagerly and gives one
-            loss, out = self.packed_loss(o, d, rgb, jitter, background=bg)
+            loss, out = self.packed_loss(o, d, rgb, jitter, background=bg, image=image)
             self.graphed.observe(int(out["num_samples"]))
             info = {"mse": loss.detach(), "num_samples": out["num_samples"]}
         else:
-            loss, info = self.loss(o, d, rgb, generator, bg)
+            app = None if image is None else self.field.appearance(image)
+            loss, info = self.loss(o, d, rgb, generator, bg, app)
         self._last_count = (info["num_samples"], o.shape[0])
         if before_backward is not None:
             before_backward()
@@ -284,12 +291,20 @@ class NerfMethod:
         saved = {**{f"field.{k}": v for k, v in state["field"].items()},
                  **{f"grid.{k}": v for k, v in state["grid"].items()}}
         wrong = [f"{k}: saved {tuple(v.shape)}, this config {tuple(mine[k].shape)}"
-                 for k, v in saved.items() if k in mine and tuple(v.shape) != tuple(mine[k].shape)]
+                 for k, v in saved.items() if k in mine and tuple(v.shape) != tuple(mine[k].shape)
+                 and not (k == "field.appearance.weight" and v.shape[1:] == mine[k].shape[1:])]
+        if ("field.appearance.weight" in saved) != ("field.appearance.weight" in mine):
+            wrong.append(f"field.appearance.weight: saved {'with' if 'field.appearance.weight' in saved else 'without'} "
+                         f"appearance codes, this config appearance_dim {self.cfg.appearance_dim}")
         if wrong:
             raise ValueError("the NeRF state does not fit reconstruct.nerf's sizes (a model of another config: "
                              "levels, log2_hashmap_size, hidden_dim, occ_resolution, ...): " + "; ".join(wrong))
         field = dict(state["field"])
         field.setdefault("fixed_background", torch.full((3,), -1.0))  # models saved before it existed
+        codes = field.get("appearance.weight")
+        if self.field.appearance is not None and codes is not None and codes.shape != self.field.appearance.weight.shape:
+            # a model loaded to render (built without its scene): one code per image it was trained on
+            self.field.appearance = torch.nn.Embedding(*codes.shape).to(self.device)
         self.field.load_state_dict(field)
         self.grid.load_state_dict(state["grid"])
         self._set_step()  # the saved box (with scene contraction: the cameras' and points' box)

@@ -45,6 +45,7 @@ def render_rays(
     generator: torch.Generator | None = None,
     fused: bool = False,
     background: torch.Tensor | None = None,
+    appearance: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Render rays [R, 3] (origins ``o``, unit directions ``d``).
 
@@ -53,6 +54,7 @@ def render_rays(
     samples and, up to float summation order, the same result as the dense path below, in a few
     launches instead of ~60. ``background``: a colour [R, 3] per ray behind the field (random
     colours while training on images with alpha); None: the field's own (learned or fixed).
+    ``appearance``: each ray's appearance code [R, appearance_dim] (None: the field's mean code).
 
     Returns:
         dict with ``rgb`` [R, 3], ``opacity`` [R], ``depth`` [R] and ``num_samples``
@@ -62,7 +64,8 @@ def render_rays(
     dev = o.device
     jitter = sample_jitter(R, perturb, generator, dev)  # the same draws for both paths
     if fused:
-        return render_packed(field, grid, o, d, jitter, step_size, max_samples, near, background=background)
+        return render_packed(field, grid, o, d, jitter, step_size, max_samples, near, background=background,
+                             appearance=appearance)
     if field.contract:  # linear, then uniform in disparity; each sample its own step
         t, dt, valid = march_steps_reference(o, d, jitter, field.aabb, step_size, max_samples, near, True)
     else:
@@ -81,7 +84,7 @@ def render_rays(
     rgb = torch.zeros((R, max_samples, 3), device=dev, dtype=o.dtype)
     if idx[0].numel() > 0:
         # the view encoding once per ray, gathered per sample (rays hold ~10-100 samples each)
-        s, c = field(pts[idx], d_enc=sh_encode_deg4(d)[idx[0]])
+        s, c = field(pts[idx], d_enc=sh_encode_deg4(d)[idx[0]], app=None if appearance is None else appearance[idx[0]])
         sigma = sigma.index_put(idx, s.to(o.dtype))
         rgb = rgb.index_put(idx, c.to(o.dtype))
     alpha = 1.0 - torch.exp(-sigma * dt)
@@ -109,6 +112,7 @@ def render_rays_early_stop(
     max_samples: int,
     near: float = 0.0,
     segment: int = 16,
+    appearance: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """:func:`render_rays` for rendering views (no gradients, step midpoints): the same samples,
     marched ``segment`` steps at a time, and a ray is dropped once its transmittance falls below
@@ -147,7 +151,8 @@ def render_rays_early_stop(
         sigma = torch.zeros((live.numel(), S), device=dev, dtype=dt)
         rgb = torch.zeros((live.numel(), S, 3), device=dev, dtype=dt)
         if idx[0].numel() > 0:
-            s, c = field(pts[idx], d_enc=d_enc[live[idx[0]]])
+            rays = live[idx[0]]
+            s, c = field(pts[idx], d_enc=d_enc[rays], app=None if appearance is None else appearance[rays])
             sigma = sigma.index_put(idx, s.to(dt))
             rgb = rgb.index_put(idx, c.to(dt))
             evaluated += idx[0].numel()
@@ -170,19 +175,20 @@ def render_rays_early_stop(
 
 def render_packed(field: NerfField, grid: OccupancyGrid | None, o: torch.Tensor, d: torch.Tensor,
                   jitter: torch.Tensor, step_size: float, max_samples: int, near: float = 0.0,
-                  capacity: int | None = None, background: torch.Tensor | None = None
-                  ) -> dict[str, torch.Tensor]:
+                  capacity: int | None = None, background: torch.Tensor | None = None,
+                  appearance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The packed-sample renderer of :func:`render_rays` (``fused=True``) with the sample jitter [R]
     given. ``capacity``: a fixed sample budget (see :func:`kernels.march_rays`): no host sync and
     the same shapes every call (what a CUDA graph needs); ``num_samples`` is then a 0-d device
     tensor (the samples evaluated; a 0-d CPU tensor without a budget) and ``total_samples`` the
-    count before the budget's cut. ``background``: as :func:`render_rays`."""
+    count before the budget's cut. ``background``, ``appearance``: as :func:`render_rays`."""
     use = field.encoding.use_kernels  # the method's resolved choice: kernels here, or the references
     s = kernels.march_rays(o.float().contiguous(), d.float().contiguous(), jitter, field.aabb,
                            None if grid is None else grid.mask, step_size, max_samples, near,
                            capacity=capacity, contract=field.contract, use_kernels=use)
     if s.t.numel() > 0:
-        sigma, rgb = field(s.points, d_enc=sh_encode_deg4(d)[s.ray_index])
+        sigma, rgb = field(s.points, d_enc=sh_encode_deg4(d)[s.ray_index],
+                           app=None if appearance is None else appearance[s.ray_index])
     else:
         sigma, rgb = o.new_zeros(0), o.new_zeros(0, 3)
     color, opacity, depth = kernels.composite(sigma.float(), rgb.float(), s.t, s.offsets, s.counts, step_size,
