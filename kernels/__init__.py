@@ -6,7 +6,7 @@ references run instead.
 
 Pieces: ``csrc/*.cu`` (CUDA C++), :mod:`kernels.loader` (NVRTC compile + disk cache, no device
 needed), :mod:`kernels._driver` (module load and launch on PyTorch's stream), one module per op
-(:mod:`kernels.hashgrid`, :mod:`kernels.render`, :mod:`kernels.gaussians` with its CUDA side
+(:mod:`kernels.hashgrid`, :mod:`kernels.render`, :mod:`kernels.adam`, :mod:`kernels.gaussians` with its CUDA side
 :mod:`kernels._gs_cuda`) and the references (:mod:`kernels._reference`, :mod:`kernels._gs_reference`).
 """
 
@@ -16,7 +16,8 @@ from ._gs_reference import isect_offset_encode_reference
 from ._gs_reference import project_gaussians_reference
 from ._gs_reference import rasterize_to_pixels_reference
 from ._gs_reference import spherical_harmonics_reference
-from ._reference import composite_reference, hash_encode_reference, march_rays_reference
+from ._reference import composite_reference, hash_encode_reference, march_rays_reference, sparse_adam_reference
+from .adam import sparse_adam_step
 from .gaussians import Projection
 from .gaussians import intersect_tiles
 from .gaussians import isect_offset_encode
@@ -53,6 +54,8 @@ __all__ = [
     "rasterization",
     "rasterize_to_pixels",
     "rasterize_to_pixels_reference",
+    "sparse_adam_reference",
+    "sparse_adam_step",
     "spherical_harmonics",
     "spherical_harmonics_reference",
     "unavailable_reason",

@@ -111,44 +111,122 @@ def ray_box_reference(origins: torch.Tensor, dirs: torch.Tensor, aabb: torch.Ten
     return tmin, tmax
 
 
-def occupancy_cell_reference(points: torch.Tensor, aabb: torch.Tensor, resolution: int) -> torch.Tensor:
-    """Flat cell [N] (int64) of points [N, 3] in a ``resolution``^3 grid over ``aabb`` (clamped)."""
+def contract_reference(points: torch.Tensor, aabb: torch.Tensor) -> torch.Tensor:
+    """Scene contraction (mip-NeRF 360, Barron et al. 2022, eq. 10, with the L-inf norm as
+    nerfstudio's hash-grid models use it): points [N, 3] -> [N, 3] in [0, 1]^3.
+
+    ``u = (p - centre) / half`` maps the box ``aabb`` to [-1, 1]^3; with ``n = max |u_k|``, points
+    with n > 1 go to ``(2 - 1 / n) u / n`` (all of space into [-2, 2]^3); then ``(u + 2) / 4``. The
+    box fills the middle half of every axis. Every op rounds once, as the kernel's intrinsics."""
+    lo, hi = aabb[0], aabb[1]
+    centre = (lo + hi) * 0.5
+    half = (hi - lo) * 0.5
+    u = (points - centre) / half
+    n = u.abs().amax(dim=-1, keepdim=True)
+    outside = n > 1.0
+    u = torch.where(outside, u * ((2.0 - 1.0 / n) / n), u)
+    return (u + 2.0) * 0.25
+
+
+def uncontract_reference(x: torch.Tensor, aabb: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`contract_reference`: points of [0, 1]^3 back to the world (the outer
+    shell, contracted radius 2, is infinitely far: clamped to contracted radius 2 - 1e-4)."""
+    lo, hi = aabb[0], aabb[1]
+    v = x * 4.0 - 2.0
+    m = v.abs().amax(dim=-1, keepdim=True).clamp(max=2.0 - 1e-4)
+    n = 1.0 / (2.0 - m)  # the L-inf norm before contraction, where m > 1
+    u = torch.where(m > 1.0, v * (n / m), v)
+    return (lo + hi) * 0.5 + u * ((hi - lo) * 0.5)
+
+
+def occupancy_cell_reference(points: torch.Tensor, aabb: torch.Tensor, resolution: int,
+                             contract: bool = False) -> torch.Tensor:
+    """Flat cell [N] (int64) of points [N, 3] in a ``resolution``^3 grid over ``aabb`` (clamped), or
+    with ``contract`` over the contracted space (:func:`contract_reference`)."""
     r = resolution
-    xn = (points - aabb[0]) / (aabb[1] - aabb[0])
+    xn = contract_reference(points, aabb) if contract else (points - aabb[0]) / (aabb[1] - aabb[0])
     ijk = (xn * r).long().clamp(0, r - 1)
     return (ijk[:, 0] * r + ijk[:, 1]) * r + ijk[:, 2]
 
 
-def march_rays_reference(origins: torch.Tensor, dirs: torch.Tensor, jitter: torch.Tensor,
-                         aabb: torch.Tensor, occupancy: torch.Tensor | None, dt: float,
-                         max_samples: int, near: float = 0.0):
-    """Samples of rays [R, 3] at ``t = tmin + (s + jitter) * dt`` for s < max_samples, kept while
-    inside the box and in an occupied cell of ``occupancy`` ([r, r, r] or [r^3] bool; None: all).
+# Contracted marching: the disparity segment ends where 1/t falls to this fraction of its start
+# (1000 times the linear segment's end: far past the grid's outer cells).
+FAR_RATIO = 1e-3
 
-    Returns:
-        (ray_index [S] int64, t [S], points [S, 3], offsets [R] int64, counts [R] int32): samples
-        ray by ray, in marching order; ray i's are ``offsets[i] .. offsets[i] + counts[i] - 1``.
+
+def march_steps_reference(origins: torch.Tensor, dirs: torch.Tensor, jitter: torch.Tensor, aabb: torch.Tensor,
+                          dt: float, max_samples: int, near: float = 0.0, contract: bool = False):
+    """Sample distances along rays before occupancy culling: (t [R, S], step [R, S] or None,
+    valid [R, S]) for S = ``max_samples`` steps (``valid`` is a prefix of each row).
+
+    Box (``contract`` False): ``t = tmin + (s + jitter) dt`` inside ``aabb`` (tmin: the entry, at
+    least ``near``); every step is ``dt`` (``step`` None).
+
+    Contracted (the scene beyond the box squeezed into a shell, :func:`contract_reference`):
+    linear steps ``t = near + (s + jitter) dt`` up to T1 = max(the box exit, the point nearest the
+    box centre, near + half the box diagonal), then steps uniform in disparity, ``t = 1 / (1/T1 - (k + jitter) dd)``
+    for the k-th one with ``dd = dt / T1^2`` (so the step length ``dd t^2`` starts at dt) while
+    ``1/t`` stays above ``FAR_RATIO / T1``, as mip-NeRF 360's sampling in disparity beyond the
+    inner region (and nerfstudio's lin-disp sampler).
     """
     R = origins.shape[0]
+    s = torch.arange(max_samples, device=origins.device, dtype=origins.dtype)
+    j = jitter.reshape(R, 1)
     tmin, tmax = ray_box_reference(origins, dirs, aabb, near)
-    steps = torch.arange(max_samples, device=origins.device, dtype=origins.dtype)
-    t = tmin[:, None] + (steps[None, :] + jitter.reshape(R, 1)) * dt  # [R, S]
-    valid = t < tmax[:, None]
+    if not contract:
+        t = tmin[:, None] + (s[None, :] + j) * dt  # [R, S]
+        return t, None, t < tmax[:, None]
+    c = (aabb[0] + aabb[1]) * 0.5
+    w = (c - origins) * dirs
+    t_close = (w[:, 0] + w[:, 1]) + w[:, 2]
+    e = aabb[1] - aabb[0]
+    reach = ((e[0] * e[0] + e[1] * e[1]) + e[2] * e[2]).sqrt() * 0.5  # half the box diagonal
+    t1_end = torch.maximum(torch.maximum(tmax, t_close), torch.full_like(tmax, near) + reach)
+    t_lin = near + (s[None, :] + j) * dt
+    lin = t_lin < t1_end[:, None]
+    n1 = lin.sum(dim=1, keepdim=True).to(origins.dtype)
+    inv = 1.0 / t1_end[:, None]
+    dd = (torch.full_like(t1_end, dt) / (t1_end * t1_end))[:, None]  # one rounding (scalar / tensor: two)
+    den = inv - ((s[None, :] - n1) + j) * dd
+    far = den > inv * FAR_RATIO
+    t_disp = 1.0 / torch.where(lin | ~far, torch.ones_like(den), den)
+    t = torch.where(lin, t_lin, t_disp)
+    step = torch.where(lin, torch.full_like(t, dt), (dd * t_disp) * t_disp)
+    return t, step, lin | far
+
+
+def march_rays_reference(origins: torch.Tensor, dirs: torch.Tensor, jitter: torch.Tensor,
+                         aabb: torch.Tensor, occupancy: torch.Tensor | None, dt: float,
+                         max_samples: int, near: float = 0.0, contract: bool = False):
+    """Samples of rays [R, 3] at the distances of :func:`march_steps_reference` (box: ``t = tmin +
+    (s + jitter) * dt`` for s < max_samples inside the box; ``contract``: linear, then uniform in
+    disparity), kept where their cell of ``occupancy`` ([r, r, r] or [r^3] bool; None: all) is set
+    (cells over the contracted space with ``contract``).
+
+    Returns:
+        (ray_index [S] int64, t [S], points [S, 3], offsets [R] int64, counts [R] int32, step [S] or
+        None): samples ray by ray, in marching order; ray i's are ``offsets[i] .. offsets[i] +
+        counts[i] - 1``; ``step`` holds each sample's step length (None: all ``dt``).
+    """
+    R = origins.shape[0]
+    t, step, valid = march_steps_reference(origins, dirs, jitter, aabb, dt, max_samples, near, contract)
     pts = origins[:, None, :] + t[..., None] * dirs[:, None, :]
     if occupancy is not None:
         r = round(occupancy.numel() ** (1 / 3))
-        cells = occupancy_cell_reference(pts.reshape(-1, 3), aabb, r)
+        cells = occupancy_cell_reference(pts.reshape(-1, 3), aabb, r, contract)
         valid = valid & occupancy.reshape(-1)[cells].view(R, max_samples)
-    ray, step = valid.nonzero(as_tuple=True)
+    ray, k = valid.nonzero(as_tuple=True)
     counts = torch.bincount(ray, minlength=R).to(torch.int32)
     offsets = torch.cumsum(counts, 0, dtype=torch.int64) - counts
-    return ray, t[ray, step], pts[ray, step], offsets, counts
+    return ray, t[ray, k], pts[ray, k], offsets, counts, None if step is None else step[ray, k]
 
 
 def composite_reference(sigma: torch.Tensor, rgb: torch.Tensor, t: torch.Tensor, offsets: torch.Tensor,
-                        counts: torch.Tensor, dt: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        counts: torch.Tensor, dt: float | torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Front-to-back alpha compositing of packed samples (ray i: ``offsets[i] ..`` ``counts[i]`` of
-    them): alpha = 1 - exp(-sigma dt), w_i = alpha_i prod_{j<i} (1 - alpha_j + 1e-10).
+    them): alpha = 1 - exp(-sigma dt), w_i = alpha_i prod_{j<i} (1 - alpha_j + 1e-10); ``dt`` one
+    step for all samples or one per sample [S].
 
     Returns:
         color [R, 3] (sum w rgb, no background), opacity [R] (sum w), depth [R] (sum w t);
@@ -163,7 +241,35 @@ def composite_reference(sigma: torch.Tensor, rgb: torch.Tensor, t: torch.Tensor,
     dense_sigma = sigma.new_zeros(R, width).index_put((ray, pos), sigma[src])
     dense_rgb = rgb.new_zeros(R, width, 3).index_put((ray, pos), rgb[src])
     dense_t = t.new_zeros(R, width).index_put((ray, pos), t.detach()[src])
+    if isinstance(dt, torch.Tensor):
+        dt = t.new_zeros(R, width).index_put((ray, pos), dt.detach()[src])
     alpha = 1.0 - torch.exp(-dense_sigma * dt)
     trans = torch.cumprod(torch.cat([torch.ones_like(alpha[:, :1]), 1.0 - alpha + 1e-10], dim=1), dim=1)[:, :-1]
     w = alpha * trans
     return (w[..., None] * dense_rgb).sum(dim=1), w.sum(dim=1), (w * dense_t).sum(dim=1)
+
+
+# ---------------------------------------------------------------- optimiser (csrc/adam.cu)
+
+
+@torch.no_grad()
+def sparse_adam_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                          steps: torch.Tensor, lr: float, betas: tuple[float, float] = (0.9, 0.99),
+                          eps: float = 1e-15, found_inf: torch.Tensor | None = None) -> None:
+    """Adam in place on the entries whose gradient is not 0 (tiny-cuda-nn's rule for non-matrix
+    parameters): ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``, ``s += 1``, ``p -= lr
+    sqrt(1 - b2^s) / (1 - b1^s) m / (sqrt(v) + eps)``; nothing changes where ``found_inf`` != 0."""
+    b1, b2 = betas
+    hit = grad != 0
+    if found_inf is not None:
+        hit &= found_inf.reshape(()) == 0
+    m = torch.where(hit, exp_avg * b1 + grad * (1 - b1), exp_avg)
+    v = torch.where(hit, exp_avg_sq * b2 + grad * grad * (1 - b2), exp_avg_sq)
+    s = steps + hit.to(torch.int32)
+    t = s.clamp(min=1).float()
+    scale = torch.sqrt(1 - torch.pow(b2, t)) / (1 - torch.pow(b1, t))
+    update = (lr * scale) * m / (v.sqrt() + eps)
+    param.sub_(torch.where(hit, update, torch.zeros((), device=param.device)))
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    steps.copy_(s)

@@ -23,11 +23,12 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ._driver import KernelProgram, f32, i32, i64, ptr, u32
-from ._reference import composite_reference, march_rays_reference
+from ._reference import FAR_RATIO, composite_reference, march_rays_reference
 from .hashgrid import _check_tensor, _use_kernels
 
 BLOCK_SIZE = 128
-_NAMES = ["march_rays<false>", "march_rays<true>", "composite_fwd", "composite_bwd"]
+_NAMES = ["march_rays<false, false>", "march_rays<true, false>", "march_rays<false, true>", "march_rays<true, true>",
+          "composite_fwd", "composite_bwd"]
 _program: KernelProgram | None = None
 
 
@@ -54,17 +55,19 @@ class Samples(NamedTuple):
     offsets: torch.Tensor  # [R] int64
     counts: torch.Tensor  # [R] int32
     total: torch.Tensor | None = None  # 0-d int64 on the rays' device: samples before any capacity cut
+    steps: torch.Tensor | None = None  # [S] float32 step length of each sample (contracted); None: all dt
 
 
-def _fit_capacity(ray_index, t, points, offsets, counts, capacity: int) -> Samples:
+def _fit_capacity(ray_index, t, points, offsets, counts, steps, capacity: int) -> Samples:
     """Cut packed samples to their first ``capacity`` rows (counts clamped), or zero-pad to it."""
     total = counts.sum(dtype=torch.int64)
     n = ray_index.shape[0]
     keep = min(n, capacity)
     pad = capacity - keep
     counts = torch.minimum(counts.long(), (capacity - offsets).clamp(min=0)).to(torch.int32)
-    return Samples(torch.cat([ray_index[:keep], ray_index.new_zeros(pad)]), torch.cat([t[:keep], t.new_zeros(pad)]),
-                   torch.cat([points[:keep], points.new_zeros(pad, 3)]), offsets, counts, total)
+    fit = lambda x, *shape: torch.cat([x[:keep], x.new_zeros(pad, *shape)])  # noqa: E731
+    return Samples(fit(ray_index), fit(t), fit(points, 3), offsets, counts, total,
+                   None if steps is None else fit(steps))
 
 
 def _check(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
@@ -81,12 +84,14 @@ def _check(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device)
 
 def march_rays(origins: torch.Tensor, dirs: torch.Tensor, jitter: torch.Tensor, aabb: torch.Tensor,
                occupancy: torch.Tensor | None, dt: float, max_samples: int, near: float = 0.0, *,
-               capacity: int | None = None, use_kernels: bool | None = None) -> Samples:
+               capacity: int | None = None, contract: bool = False, use_kernels: bool | None = None) -> Samples:
     """Samples along rays at a fixed step, inside the box and in occupied cells.
 
     Sample s of a ray (0 <= s < max_samples) sits at ``t = tmin + (s + jitter) * dt`` (tmin: where the
     ray enters ``aabb``, at least ``near``) and is kept while ``t`` is before the exit and its cell
-    of ``occupancy`` is set (cells as ``OccupancyGrid.cell_index``).
+    of ``occupancy`` is set (cells as ``OccupancyGrid.cell_index``). With ``contract`` the ray runs
+    on past the box, through the contracted scene (``_reference.march_steps_reference``: linear
+    steps, then steps uniform in disparity) and ``Samples.steps`` holds each sample's step.
 
     Args:
         origins, dirs: [R, 3] float32 (unit directions).
@@ -121,10 +126,10 @@ def march_rays(origins: torch.Tensor, dirs: torch.Tensor, jitter: torch.Tensor, 
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
         raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
     if not _use_kernels(dev, use_kernels):
-        out = march_rays_reference(origins, dirs, jitter, aabb, occupancy, dt, max_samples, near)
+        *out, steps = march_rays_reference(origins, dirs, jitter, aabb, occupancy, dt, max_samples, near, contract)
         if capacity is None:
-            return Samples(*out, total=torch.tensor(out[0].shape[0], device=dev))
-        return _fit_capacity(*out, capacity)
+            return Samples(*out, total=torch.tensor(out[0].shape[0], device=dev), steps=steps)
+        return _fit_capacity(*out, steps, capacity)
     origins, dirs, jitter = origins.contiguous(), dirs.contiguous(), jitter.contiguous()
     box = aabb.contiguous().reshape(6)
     occ = occupancy.contiguous() if occupancy is not None else None
@@ -133,10 +138,11 @@ def march_rays(origins: torch.Tensor, dirs: torch.Tensor, jitter: torch.Tensor, 
     grid = (max(1, -(-R // BLOCK_SIZE)),)
     common = [(origins.data_ptr(), ptr), (dirs.data_ptr(), ptr), (jitter.data_ptr(), ptr),
               (box.data_ptr(), ptr), (0 if occ is None else occ.data_ptr(), ptr), (r, i32),
-              (float(dt), f32), (int(max_samples), i32), (float(near), f32), (R, u32)]
+              (float(dt), f32), (int(max_samples), i32), (float(near), f32), (FAR_RATIO, f32), (R, u32)]
+    mode = "true" if contract else "false"
     if R:
-        prog.launch("march_rays<false>", grid, (BLOCK_SIZE,),
-                    common + [(counts.data_ptr(), ptr), (0, ptr), (0, i64), (0, ptr), (0, ptr), (0, ptr)],
+        prog.launch(f"march_rays<false, {mode}>", grid, (BLOCK_SIZE,),
+                    common + [(counts.data_ptr(), ptr), (0, ptr), (0, i64), (0, ptr), (0, ptr), (0, ptr), (0, ptr)],
                     device=dev)
     ends = torch.cumsum(counts, 0, dtype=torch.int64)
     offsets = ends - counts
@@ -149,17 +155,19 @@ def march_rays(origins: torch.Tensor, dirs: torch.Tensor, jitter: torch.Tensor, 
     ray_index = alloc(rows, dtype=torch.int64, device=dev)
     t = alloc(rows, dtype=torch.float32, device=dev)
     points = alloc(rows, 3, dtype=torch.float32, device=dev)
+    steps = alloc(rows, dtype=torch.float32, device=dev) if contract else None
     if R and rows:
-        prog.launch("march_rays<true>", grid, (BLOCK_SIZE,),
+        prog.launch(f"march_rays<true, {mode}>", grid, (BLOCK_SIZE,),
                     common + [(counts.data_ptr(), ptr), (offsets.data_ptr(), ptr), (rows, i64),
-                              (ray_index.data_ptr(), ptr), (t.data_ptr(), ptr), (points.data_ptr(), ptr)],
+                              (ray_index.data_ptr(), ptr), (t.data_ptr(), ptr), (points.data_ptr(), ptr),
+                              (0 if steps is None else steps.data_ptr(), ptr)],
                     device=dev)
-    return Samples(ray_index, t, points, offsets, counts, total_dev)
+    return Samples(ray_index, t, points, offsets, counts, total_dev, steps)
 
 
 class _Composite(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, sigma, rgb, t, offsets, counts, dt):
+    def forward(ctx, sigma, rgb, t, offsets, counts, dt, steps):
         R = counts.shape[0]
         dev = sigma.device
         color = torch.empty(R, 3, dtype=torch.float32, device=dev)
@@ -168,17 +176,18 @@ class _Composite(torch.autograd.Function):
         if R:
             program().launch("composite_fwd", (-(-R // BLOCK_SIZE),), (BLOCK_SIZE,),
                              [(sigma.data_ptr(), ptr), (rgb.data_ptr(), ptr), (t.data_ptr(), ptr),
-                              (offsets.data_ptr(), ptr), (counts.data_ptr(), ptr), (float(dt), f32), (R, u32),
+                              (offsets.data_ptr(), ptr), (counts.data_ptr(), ptr), (float(dt), f32),
+                              (0 if steps is None else steps.data_ptr(), ptr), (R, u32),
                               (color.data_ptr(), ptr), (opacity.data_ptr(), ptr), (depth.data_ptr(), ptr)],
                              device=dev)
-        ctx.save_for_backward(sigma, rgb, t, offsets, counts)
+        ctx.save_for_backward(sigma, rgb, t, offsets, counts, steps)
         ctx.dt = dt
         return color, opacity, depth
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_color, g_opacity, g_depth):
-        sigma, rgb, t, offsets, counts = ctx.saved_tensors
+        sigma, rgb, t, offsets, counts, steps = ctx.saved_tensors
         R = counts.shape[0]
         dev = sigma.device
         g_color = torch.zeros(R, 3, device=dev) if g_color is None else g_color.float().contiguous()
@@ -189,15 +198,16 @@ class _Composite(torch.autograd.Function):
         if R:
             program().launch("composite_bwd", (-(-R // BLOCK_SIZE),), (BLOCK_SIZE,),
                              [(sigma.data_ptr(), ptr), (rgb.data_ptr(), ptr), (t.data_ptr(), ptr),
-                              (offsets.data_ptr(), ptr), (counts.data_ptr(), ptr), (float(ctx.dt), f32), (R, u32),
+                              (offsets.data_ptr(), ptr), (counts.data_ptr(), ptr), (float(ctx.dt), f32),
+                              (0 if steps is None else steps.data_ptr(), ptr), (R, u32),
                               (g_color.data_ptr(), ptr), (g_opacity.data_ptr(), ptr), (g_depth.data_ptr(), ptr),
                               (g_sigma.data_ptr(), ptr), (g_rgb.data_ptr(), ptr)], device=dev)
-        return g_sigma, g_rgb, None, None, None, None
+        return g_sigma, g_rgb, None, None, None, None, None
 
 
 def composite(sigma: torch.Tensor, rgb: torch.Tensor, t: torch.Tensor, offsets: torch.Tensor,
-              counts: torch.Tensor, dt: float, *, use_kernels: bool | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              counts: torch.Tensor, dt: float, *, steps: torch.Tensor | None = None,
+              use_kernels: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Front-to-back alpha compositing of packed samples (see :class:`Samples`).
 
     ``alpha_i = 1 - exp(-sigma_i dt)``, ``w_i = alpha_i prod_{j<i} (1 - alpha_j + 1e-10)``.
@@ -205,7 +215,7 @@ def composite(sigma: torch.Tensor, rgb: torch.Tensor, t: torch.Tensor, offsets: 
     Args:
         sigma: [S] float32 densities; rgb: [S, 3] float32 colours; t: [S] float32 distances.
         offsets: [R] int64, counts: [R] int32 (from :func:`march_rays`).
-        dt: the march step.
+        dt: the march step; steps: [S] float32 step of each sample instead (``Samples.steps``).
 
     Returns:
         color [R, 3] = sum w rgb (the caller adds ``(1 - opacity) * background``), opacity [R] = sum w,
@@ -218,7 +228,9 @@ def composite(sigma: torch.Tensor, rgb: torch.Tensor, t: torch.Tensor, offsets: 
     _check("t", t, (S,), torch.float32, dev)
     _check("offsets", offsets, (None,), torch.int64, dev)
     _check("counts", counts, (offsets.shape[0],), torch.int32, dev)
+    if steps is not None:
+        _check("steps", steps, (S,), torch.float32, dev)
     if not _use_kernels(dev, use_kernels):
-        return composite_reference(sigma, rgb, t, offsets, counts, dt)
+        return composite_reference(sigma, rgb, t, offsets, counts, dt if steps is None else steps)
     return _Composite.apply(sigma.contiguous(), rgb.contiguous(), t.contiguous(), offsets.contiguous(),
-                            counts.contiguous(), float(dt))
+                            counts.contiguous(), float(dt), None if steps is None else steps.contiguous())

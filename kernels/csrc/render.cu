@@ -46,24 +46,56 @@ __device__ __forceinline__ u32 occupancy_cell(const float (&p)[3], const float* 
   return (u32)((ijk[0] * r + ijk[1]) * r + ijk[2]);
 }
 
-// One thread per ray. Sample s (0 <= s < max_samples) sits at t = tmin + (s + jitter) * dt and is
-// kept when t < tmax and its occupancy cell is set (occ == nullptr: every cell). WRITE = false:
-// counts[ray] = kept samples. WRITE = true: the kept samples of the ray go to offsets[ray] ..
-// (ray index, t, point), those at or past `capacity` are dropped, and counts[ray] becomes the
-// number written (a fixed-size sample buffer, as a CUDA-graph-captured training step needs).
-template <bool WRITE>
+// Scene contraction, as contract_reference: u = (p - centre) / half, n = max |u_k|; for n > 1,
+// u *= (2 - 1/n) / n (L-inf mip-NeRF 360); x = (u + 2) / 4 in [0, 1]^3. Then the flat cell of x in
+// an r^3 grid as occupancy_cell (truncated, clamped, NaN -> cell 0).
+__device__ __forceinline__ u32 contracted_cell(const float (&p)[3], const float* __restrict__ aabb, int r) {
+  float u[3];
+  float n = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    const float lo = __ldg(aabb + k), hi = __ldg(aabb + 3 + k);
+    const float centre = __fmul_rn(__fadd_rn(lo, hi), 0.5f), half = __fmul_rn(__fsub_rn(hi, lo), 0.5f);
+    u[k] = __fdiv_rn(__fsub_rn(p[k], centre), half);
+    n = fmaxf(n, fabsf(u[k]));
+  }
+  const float scale = n > 1.0f ? __fdiv_rn(__fsub_rn(2.0f, __fdiv_rn(1.0f, n)), n) : 1.0f;
+  long long ijk[3];
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    const float uk = n > 1.0f ? __fmul_rn(u[k], scale) : u[k];
+    const float s = __fmul_rn(__fmul_rn(__fadd_rn(uk, 2.0f), 0.25f), (float)r);
+    long long c = (s != s) ? 0 : (long long)fmaxf(fminf(s, 1e18f), -1e18f);
+    ijk[k] = c < 0 ? 0 : (c > r - 1 ? r - 1 : c);
+  }
+  return (u32)((ijk[0] * r + ijk[1]) * r + ijk[2]);
+}
+
+// One thread per ray. Box (CONTRACT = false): sample s (0 <= s < max_samples) sits at
+// t = tmin + (s + jitter) * dt and is kept when t < tmax and its occupancy cell is set (occ ==
+// nullptr: every cell). CONTRACT = true (march_steps_reference): linear steps t = near + (s +
+// jitter) * dt up to T1 = max(box exit, the ray's point nearest the box centre, near + half the box
+// diagonal), then
+// steps uniform in disparity, t = 1 / (1/T1 - (k + jitter) * dd), dd = dt / T1^2, while 1/t >
+// far_ratio / T1; each sample's step length (dt, or dd t^2) goes to steps_out, and cells are those
+// of the contracted space. WRITE = false: counts[ray] = kept samples. WRITE = true: the kept samples
+// of the ray go to offsets[ray] .. (ray index, t, point[, step]), those at or past `capacity` are
+// dropped, and counts[ray] becomes the number written (a fixed-size sample buffer, as a
+// CUDA-graph-captured training step needs).
+template <bool WRITE, bool CONTRACT>
 __global__ void march_rays(const float* __restrict__ origins,     // [R, 3]
                            const float* __restrict__ dirs,        // [R, 3]
                            const float* __restrict__ jitter,      // [R]
                            const float* __restrict__ aabb,        // [6]: lo xyz, hi xyz
                            const unsigned char* __restrict__ occ, // [r^3] bool, or nullptr
-                           int r, float dt, int max_samples, float near, u32 R,
+                           int r, float dt, int max_samples, float near, float far_ratio, u32 R,
                            int* __restrict__ counts,              // [R]: out, or clamped (WRITE)
                            const long long* __restrict__ offsets, // [R] exclusive scan (WRITE = true)
                            long long capacity,                    // sample slots (WRITE = true)
                            long long* __restrict__ ray_index,     // [S_total]
                            float* __restrict__ t_out,             // [S_total]
-                           float* __restrict__ points) {          // [S_total, 3]
+                           float* __restrict__ points,            // [S_total, 3]
+                           float* __restrict__ steps_out) {       // [S_total] (CONTRACT and WRITE)
   const u32 ray = blockIdx.x * blockDim.x + threadIdx.x;
   if (ray >= R) return;
   float o[3], d[3];
@@ -80,22 +112,55 @@ __global__ void march_rays(const float* __restrict__ origins,     // [R, 3]
     counts[ray] = 0;
     return;
   }
+  float t1_end = 0.0f, inv = 0.0f, dd = 0.0f, inv_far = 0.0f;
+  if (CONTRACT) {
+    float w[3];
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      const float centre = __fmul_rn(__fadd_rn(__ldg(aabb + k), __ldg(aabb + 3 + k)), 0.5f);
+      w[k] = __fmul_rn(__fsub_rn(centre, o[k]), d[k]);
+    }
+    const float t_close = __fadd_rn(__fadd_rn(w[0], w[1]), w[2]);
+    float e[3];
+#pragma unroll
+    for (int k = 0; k < 3; ++k) e[k] = __fsub_rn(__ldg(aabb + 3 + k), __ldg(aabb + k));
+    const float reach = __fmul_rn(__fsqrt_rn(__fadd_rn(__fadd_rn(__fmul_rn(e[0], e[0]), __fmul_rn(e[1], e[1])),
+                                                       __fmul_rn(e[2], e[2]))), 0.5f);  // half the diagonal
+    t1_end = fmaxf(fmaxf(tmax, t_close), __fadd_rn(near, reach));
+    inv = __fdiv_rn(1.0f, t1_end);
+    dd = __fdiv_rn(dt, __fmul_rn(t1_end, t1_end));
+    inv_far = __fmul_rn(inv, far_ratio);
+  }
   long long out = first;
-  int n = 0;
+  int n = 0, n1 = -1;  // n1: the first step past the linear segment (CONTRACT)
   for (int s = 0; s < max_samples; ++s) {
     if (WRITE && out >= capacity) break;
-    const float t = __fadd_rn(tmin, __fmul_rn(__fadd_rn((float)s, j), dt));
-    if (!(t < tmax)) break;  // t grows with s (rounding is monotone): the rest are out too
+    float t, step = dt;
+    if (!CONTRACT) {
+      t = __fadd_rn(tmin, __fmul_rn(__fadd_rn((float)s, j), dt));
+      if (!(t < tmax)) break;  // t grows with s (rounding is monotone): the rest are out too
+    } else {
+      t = __fadd_rn(near, __fmul_rn(__fadd_rn((float)s, j), dt));
+      if (n1 < 0 && !(t < t1_end)) n1 = s;
+      if (n1 >= 0) {
+        const float den = __fsub_rn(inv, __fmul_rn(__fadd_rn((float)(s - n1), j), dd));
+        if (!(den > inv_far)) break;  // den falls with s: the rest are past the far end too
+        t = __fdiv_rn(1.0f, den);
+        step = __fmul_rn(__fmul_rn(dd, t), t);
+      }
+    }
     float p[3];
 #pragma unroll
     for (int k = 0; k < 3; ++k) p[k] = __fadd_rn(o[k], __fmul_rn(t, d[k]));
-    if (occ != nullptr && !__ldg(occ + occupancy_cell(p, aabb, r))) continue;
+    if (occ != nullptr && !__ldg(occ + (CONTRACT ? contracted_cell(p, aabb, r) : occupancy_cell(p, aabb, r))))
+      continue;
     if (WRITE) {
       ray_index[out] = (long long)ray;
       t_out[out] = t;
       points[3 * out] = p[0];
       points[3 * out + 1] = p[1];
       points[3 * out + 2] = p[2];
+      if (CONTRACT) steps_out[out] = step;
       ++out;
     }
     ++n;
@@ -113,13 +178,14 @@ __device__ __forceinline__ void sample_alpha(float sigma, float dt, float& alpha
 
 // One thread per ray over its samples [offsets[ray], offsets[ray] + counts[ray]):
 // w_i = alpha_i * T_i, T_0 = 1, T_{i+1} = T_i * factor_i; color = sum w_i rgb_i (no background),
-// opacity = sum w_i, depth = sum w_i t_i.
+// opacity = sum w_i, depth = sum w_i t_i. Each sample's step is steps[i], or dt when steps is nullptr.
 __global__ void composite_fwd(const float* __restrict__ sigma,      // [S_total]
                               const float* __restrict__ rgb,        // [S_total, 3]
                               const float* __restrict__ t,          // [S_total]
                               const long long* __restrict__ offsets,// [R]
                               const int* __restrict__ counts,       // [R]
-                              float dt, u32 R,
+                              float dt, const float* __restrict__ steps,  // [S_total] or nullptr
+                              u32 R,
                               float* __restrict__ color,            // [R, 3]
                               float* __restrict__ opacity,          // [R]
                               float* __restrict__ depth) {          // [R]
@@ -129,7 +195,7 @@ __global__ void composite_fwd(const float* __restrict__ sigma,      // [S_total]
   float T = 1.0f, c0 = 0.0f, c1 = 0.0f, c2 = 0.0f, op = 0.0f, dp = 0.0f;
   for (long long i = start; i < end; ++i) {
     float alpha, ex, factor;
-    sample_alpha(__ldg(sigma + i), dt, alpha, ex, factor);
+    sample_alpha(__ldg(sigma + i), steps == nullptr ? dt : __ldg(steps + i), alpha, ex, factor);
     const float w = __fmul_rn(alpha, T);
     c0 += w * __ldg(rgb + 3 * i);
     c1 += w * __ldg(rgb + 3 * i + 1);
@@ -146,14 +212,16 @@ __global__ void composite_fwd(const float* __restrict__ sigma,      // [S_total]
 }
 
 // Backward of composite_fwd. With q_i = g_color . rgb_i + g_opacity + g_depth * t_i and
-// e_i = dt * exp(-sigma_i dt) (= d alpha_i / d sigma_i):
+// e_i = dt_i * exp(-sigma_i dt_i) (= d alpha_i / d sigma_i; dt_i = steps[i] or dt):
 //   d/d rgb_i   = w_i * g_color
 //   d/d sigma_i = T_i e_i q_i - (e_i / factor_i) * sum_{j > i} w_j q_j
 // (w_j for j > i holds factor_i in T_j). Two passes per ray: the total sum_j w_j q_j, then the
 // suffix sums as total minus the running prefix.
 __global__ void composite_bwd(const float* __restrict__ sigma, const float* __restrict__ rgb,
                               const float* __restrict__ t, const long long* __restrict__ offsets,
-                              const int* __restrict__ counts, float dt, u32 R,
+                              const int* __restrict__ counts, float dt,
+                              const float* __restrict__ steps,      // [S_total] or nullptr
+                              u32 R,
                               const float* __restrict__ g_color,    // [R, 3]
                               const float* __restrict__ g_opacity,  // [R]
                               const float* __restrict__ g_depth,    // [R]
@@ -169,7 +237,7 @@ __global__ void composite_bwd(const float* __restrict__ sigma, const float* __re
   // q_i, and w_i with the sample's alpha terms, given T = the transmittance before sample i
   auto term = [&](long long i, float T, float& ex, float& factor, float& w) {
     float alpha;
-    sample_alpha(__ldg(sigma + i), dt, alpha, ex, factor);
+    sample_alpha(__ldg(sigma + i), steps == nullptr ? dt : __ldg(steps + i), alpha, ex, factor);
     w = __fmul_rn(alpha, T);
     return gc0 * __ldg(rgb + 3 * i) + gc1 * __ldg(rgb + 3 * i + 1) + gc2 * __ldg(rgb + 3 * i + 2) + go +
            gd * __ldg(t + i);
@@ -185,7 +253,7 @@ __global__ void composite_bwd(const float* __restrict__ sigma, const float* __re
   for (long long i = start; i < end; ++i) {
     const float q = term(i, T, ex, factor, w);
     prefix += w * q;
-    const float e = dt * ex;
+    const float e = (steps == nullptr ? dt : __ldg(steps + i)) * ex;
     g_sigma[i] = T * e * q - (e / factor) * (total - prefix);
     g_rgb[3 * i] = w * gc0;
     g_rgb[3 * i + 1] = w * gc1;

@@ -39,9 +39,39 @@ class NerfParams:
     # gsplat's steps_scaler does for its schedules).
     occ_schedule_scale: float = 1.0
     lr: float = 1e-2
-    lr_final: float = 5e-4
-    weight_decay: float = 1e-6
+    lr_final: float = 5e-4  # the end of the "exp" schedule
+    # "exp": warm-up, then exponential decay from lr to lr_final over the run; "ngp": instant-ngp's
+    # (constant, then x lr_decay_base every lr_decay_every steps from lr_decay_start; nerf/optim.py)
+    lr_schedule: Literal["exp", "ngp"] = "exp"
+    lr_decay_start: int = 20000
+    lr_decay_every: int = 10000
+    lr_decay_base: float = 0.33
+    weight_decay: float = 1e-6  # L2 on the MLP weights (instant-ngp's l2_reg), none on the table
+    # the hash table's optimiser: "adam" (torch's, every entry every step) or "sparse" (tiny-cuda-nn's:
+    # entries with a zero gradient are not stepped; nerf/optim.py TableAdam)
+    table_optimizer: Literal["adam", "sparse"] = "adam"
+    # renders (evaluation, the held-out PSNR) use an exponential moving average of the weights with
+    # this decay (instant-ngp: 0.95); 0 = the trained weights
+    ema_decay: float = 0.0
+    # rays per step adapt so that a step evaluates about this many samples (instant-ngp: 2^18 per
+    # step); 0 = batch_rays rays every step. The ray count is revised every occ_update_every steps
+    # and kept on a grid of 8 values per octave, so a CUDA-graph step is captured again only when it
+    # moves by a grid value (nerf/method.py RayBudget).
+    target_samples: int = 0
+    # the MLPs' arithmetic on a GPU: "float32"; "tf32" (TF32 tensor-core matmuls: torch's
+    # allow_tf32, process-wide); "bfloat16" (autocast; densities and colours still float32)
+    mlp_precision: Literal["float32", "tf32", "bfloat16"] = "float32"
     near: float = 0.02
+    # Unbounded scenes (real captures with backgrounds): "mipnerf360" contracts the world outside the
+    # box into a shell around it (mip-NeRF 360's contraction, L-inf as in nerfstudio), so the hash grid
+    # and the occupancy grid cover everything and rays march on past the box in steps uniform in
+    # disparity (up to 3 x samples_per_ray steps). The box is then the cameras' and the sparse points'
+    # (nerf/method.py contraction_box). "none": the scene is the box.
+    scene_contraction: Literal["none", "mipnerf360"] = "none"
+    # A learned code of this many values per training image fed to the colour MLP (nerfacto's
+    # appearance embedding, for captures whose exposure or white balance changes); views are rendered
+    # with the mean code. 0 = off.
+    appearance_dim: int = 0
     # Packed-sample renderer (kernels.march_rays / kernels.composite): "on" everywhere (CUDA kernels on
     # a GPU, their references on the CPU), "auto" where the CUDA kernels run, "off" the dense one.
     fused_render: Literal["auto", "on", "off"] | bool = "auto"
@@ -49,6 +79,9 @@ class NerfParams:
     # renderer with a fixed sample budget; nerf/graph.py): "auto" whenever the packed renderer runs
     # CUDA kernels (and overlap_comm is off), "on" (an error where it cannot), "off".
     cuda_graph: Literal["auto", "on", "off"] | bool = "auto"
+    # Views with alpha (ingest.alpha: keep) train on a random colour per ray behind them, as
+    # instant-ngp does ("auto" / "on"), or on white ("off"); they render onto white either way.
+    random_background: Literal["auto", "on", "off"] | bool = "auto"
 
     def __post_init__(self) -> None:
         check(1 <= self.levels <= 32, "levels", "must be in 1..32", self.levels)
@@ -67,9 +100,16 @@ class NerfParams:
               self.occ_schedule_scale)
         check(self.lr > 0, "lr", "must be > 0", self.lr)
         check(0 < self.lr_final <= self.lr, "lr_final", "must be in (0, lr]", self.lr_final)
+        check(self.lr_decay_start >= 0, "lr_decay_start", "must be >= 0", self.lr_decay_start)
+        check(self.lr_decay_every >= 1, "lr_decay_every", "must be >= 1", self.lr_decay_every)
+        check(0 < self.lr_decay_base <= 1, "lr_decay_base", "must be in (0, 1]", self.lr_decay_base)
         check(self.weight_decay >= 0, "weight_decay", "must be >= 0", self.weight_decay)
+        check(0 <= self.ema_decay < 1, "ema_decay", "must be in [0, 1)", self.ema_decay)
+        check(self.target_samples == 0 or self.target_samples >= 1024, "target_samples",
+              "must be 0 (off) or >= 1024", self.target_samples)
         check(self.near >= 0, "near", "must be >= 0", self.near)
-        for key in ("fused_render", "cuda_graph"):
+        check(0 <= self.appearance_dim <= 256, "appearance_dim", "must be in 0..256", self.appearance_dim)
+        for key in ("fused_render", "cuda_graph", "random_background"):
             switch(self, key)
 
 

@@ -353,6 +353,10 @@ class RaySampler:
 
     def sample(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``n`` rays: origins [n, 3], unit directions [n, 3] and colours [n, C] in [0, 1]."""
+        return self.sample_indexed(n)[:3]
+
+    def sample_indexed(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`sample` (the same draws) and each ray's image index [n] int64."""
         v = self.views
         idx = torch.randint(0, self.total, (n,), generator=self.gen, device=self.gen.device).to(self.device)
         img = torch.searchsorted(self.ends, idx, right=True)
@@ -362,7 +366,7 @@ class RaySampler:
         cams = v.cameras
         o, d = pixel_rays((cams.fx[img], cams.fy[img], cams.cx[img], cams.cy[img]), v.c2w[img], col, row)
         rgb = v.pixels[idx].float() / 255.0
-        return o, d, rgb
+        return o, d, rgb, img
 
 
 def sizes_text(views: PosedImages) -> str:

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from kernels import HashGrid
+from kernels._reference import contract_reference
 
 from ..config import NerfParams
 
@@ -114,13 +115,16 @@ class NerfField(nn.Module):
 
     Args:
         cfg: the NeRF params.
-        aabb: [2, 3] scene box; points outside it have zero density.
+        aabb: [2, 3] scene box; points outside it have zero density, unless ``scene_contraction``
+            maps the whole world into the encoding's cube (the box in its middle half per axis).
         use_kernels: whether the hash encoding runs the CUDA kernel (None = when possible).
+        num_images: training images, one appearance code each (``appearance_dim`` > 0).
     """
 
-    def __init__(self, cfg: NerfParams, aabb: torch.Tensor, use_kernels: bool | None = None):
+    def __init__(self, cfg: NerfParams, aabb: torch.Tensor, use_kernels: bool | None = None, num_images: int = 1):
         super().__init__()
         self.register_buffer("aabb", aabb.clone().float())
+        self.contract = cfg.scene_contraction == "mipnerf360"
         self.encoding = HashGrid(
             levels=cfg.levels,
             features_per_level=cfg.features_per_level,
@@ -135,7 +139,7 @@ class NerfField(nn.Module):
             nn.Linear(self.encoding.output_dim, h), nn.ReLU(inplace=True), nn.Linear(h, 1 + cfg.geo_feat_dim)
         )
         self.color_mlp = nn.Sequential(
-            nn.Linear(cfg.geo_feat_dim + 16, h),
+            nn.Linear(cfg.geo_feat_dim + 16 + cfg.appearance_dim, h),
             nn.ReLU(inplace=True),
             nn.Linear(h, h),
             nn.ReLU(inplace=True),
@@ -147,28 +151,50 @@ class NerfField(nn.Module):
         # floaters (nerf_synthetic lego: 14 dB test PSNR) before the colour has moved to white.
         self.background = nn.Parameter(torch.zeros(3))
         self.register_buffer("fixed_background", torch.full((3,), -1.0))
+        self.half = torch.bfloat16 if cfg.mlp_precision == "bfloat16" else None
+        # per-image appearance codes (nerfacto's N(0, 1) initialisation); rows resized on loading a model
+        self.appearance = nn.Embedding(max(1, num_images), cfg.appearance_dim) if cfg.appearance_dim else None
+
+    def _mlp(self, net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``net(x)`` in float32, or under bfloat16 autocast (``mlp_precision``) and read back as
+        float32 (no autocast weight cache: a CUDA graph replays the casts with the live weights)."""
+        if self.half is None:
+            return net(x)
+        with torch.autocast(x.device.type, dtype=self.half, cache_enabled=False):
+            return net(x).float()
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        if self.contract:
+            return contract_reference(x, self.aabb)
         return (x - self.aabb[0]) / (self.aabb[1] - self.aabb[0])
 
     def density(self, x: torch.Tensor, return_feat: bool = False):
         """Density [N] (and geometry features [N, geo_feat_dim]) at world points [N, 3]."""
         xn = self.normalize(x)
-        inside = ((xn >= 0) & (xn <= 1)).all(dim=-1)
-        h = self.density_mlp(self.encoding(xn.clamp(0.0, 1.0)))
-        sigma = trunc_exp(h[:, 0] - 1.0) * inside
+        h = self._mlp(self.density_mlp, self.encoding(xn.clamp(0.0, 1.0)))
+        sigma = trunc_exp(h[:, 0] - 1.0)
+        if not self.contract:
+            sigma = sigma * ((xn >= 0) & (xn <= 1)).all(dim=-1)
         return (sigma, h[:, 1:]) if return_feat else sigma
 
-    def forward(self, x: torch.Tensor, d: torch.Tensor | None = None,
-                d_enc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, d: torch.Tensor | None = None, d_enc: torch.Tensor | None = None,
+                app: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Density [N] and colour [N, 3] at points [N, 3] seen along unit directions ``d`` [N, 3]
         (or their encoding ``d_enc`` [N, 16] from :func:`sh_encode_deg4`, e.g. computed once per
-        ray and gathered per sample)."""
+        ray and gathered per sample); ``app`` [N, appearance_dim]: the appearance codes (None: the
+        mean code, when the field has them)."""
         if d_enc is None:
             d_enc = sh_encode_deg4(d)
         sigma, feat = self.density(x, return_feat=True)
-        rgb = torch.sigmoid(self.color_mlp(torch.cat([feat, d_enc], dim=-1)))
+        parts = [feat, d_enc]
+        if self.appearance is not None:
+            parts.append(self.mean_appearance().expand(len(x), -1) if app is None else app)
+        rgb = torch.sigmoid(self._mlp(self.color_mlp, torch.cat(parts, dim=-1)))
         return sigma, rgb
+
+    def mean_appearance(self) -> torch.Tensor:
+        """[1, appearance_dim]: the training images' mean code (what views are rendered with)."""
+        return self.appearance.weight.mean(dim=0, keepdim=True)
 
     def background_rgb(self) -> torch.Tensor:
         fixed = self.fixed_background

@@ -55,8 +55,9 @@ class CapturedStep:
         method: the :class:`~stages.reconstruct.nerf.method.NerfMethod` (its field, grid, step
             size and march settings are what the graph renders with).
 
-    Call it with a micro-batch's rays ``o``, ``d`` [R, 3], target ``rgb`` [R, 3] and sample
-    ``jitter`` [R]: the gradients of the mean squared error are *added* to the parameters' ``.grad``
+    Call it with a micro-batch's rays ``o``, ``d`` [R, 3], target ``rgb`` [R, 3], sample
+    ``jitter`` [R] and optionally a ``background`` [R, 3] per ray (random backgrounds) and each ray's
+    training ``image`` [R] (appearance codes): the gradients of the mean squared error are *added* to the parameters' ``.grad``
     (as ``loss.backward()`` would) and ``(mse, num_samples)`` come back as 0-d device tensors. It
     returns None while it has no sample count to size the budget from; the caller then runs the
     step eagerly and reports the count with :meth:`observe`.
@@ -87,7 +88,8 @@ class CapturedStep:
     # ------------------------------------------------------------------ the captured body
     def _body(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         st = self._static
-        mse, out = self.method.packed_loss(st["o"], st["d"], st["rgb"], st["jitter"], capacity=self.capacity)
+        mse, out = self.method.packed_loss(st["o"], st["d"], st["rgb"], st["jitter"], capacity=self.capacity,
+                                           background=st.get("bg"), image=st.get("image"))
         mse.backward()
         return mse.detach(), out["num_samples"], out["total_samples"]
 
@@ -134,6 +136,14 @@ class CapturedStep:
                 self._note("overflow", count, budget)
             self.observe(count)
 
+    def flush(self) -> int | None:
+        """Wait for every replayed step and return the latest sample count (a host sync: for the
+        ray budget's revisions, every ``occ_update_every`` steps)."""
+        for event, _, _ in self._pending:
+            event.synchronize()
+        self._collect()
+        return self._need
+
     def _note(self, kind: str, count: int | None, budget: int) -> None:
         log.debug("cuda graph %s at replay %d: %s samples, budget %d", kind, self.replays, count, budget)
         if len(self.events) < 40:
@@ -167,21 +177,31 @@ class CapturedStep:
         self.captures += 1
         self._note("capture", self._need, capacity)
 
-    def __call__(self, o: torch.Tensor, d: torch.Tensor, rgb: torch.Tensor, jitter: torch.Tensor):
+    def __call__(self, o: torch.Tensor, d: torch.Tensor, rgb: torch.Tensor, jitter: torch.Tensor,
+                 background: torch.Tensor | None = None, image: torch.Tensor | None = None):
         R = o.shape[0]
-        if R != self.rays:  # a new batch size: new buffers, new graph
+        if (R != self.rays or (background is None) != ("bg" not in self._static)
+                or (image is None) != ("image" not in self._static)):  # new buffers, new graph
+            self.flush()  # counts of the old ray count first (a rare sync)
+            if self._need is not None and self.rays:  # a new ray count (target_samples): samples follow it
+                self._need = int(self._need * R / self.rays)
             self.graph, self._out, self.rays = None, None, R
             self._static = {"o": torch.zeros(R, 3, device=self.device), "d": torch.zeros(R, 3, device=self.device),
                             "rgb": torch.zeros(R, 3, device=self.device),
                             "jitter": torch.zeros(R, device=self.device)}
+            if background is not None:
+                self._static["bg"] = torch.zeros(R, 3, device=self.device)
+            if image is not None:
+                self._static["image"] = torch.zeros(R, dtype=torch.int64, device=self.device)
         if self.failed is not None:
             return None
         self._collect()
         if self._need is None:
             return None
         st = self._static
-        for k, v in (("o", o), ("d", d), ("rgb", rgb), ("jitter", jitter)):
-            st[k].copy_(v)
+        for k, v in (("o", o), ("d", d), ("rgb", rgb), ("jitter", jitter), ("bg", background), ("image", image)):
+            if v is not None:
+                st[k].copy_(v)
         need = self._need
         if self.graph is None or need > GROW_ABOVE * self.capacity or need < SHRINK_BELOW * self.capacity:
             try:

@@ -6,6 +6,7 @@ checkpoints and evaluation call); its batches are random rays of the training vi
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -15,8 +16,10 @@ from stages.common.cameras import Intrinsics
 from ..config import NerfParams, ReconstructParams
 from ..data import RaySampler, composite, image_rays
 from ..methods import resolve_use_kernels, step_optimizers
+from .budget import RayBudget
 from .field import NerfField
 from .occupancy import OccupancyGrid
+from .optim import TableAdam, WeightAverage, lr_factor
 from .render import render_packed, render_rays, render_rays_early_stop, sample_jitter
 
 
@@ -38,35 +41,60 @@ class NerfMethod:
         self.use_kernels = resolve_use_kernels(params.kernels, device)
         self.fused = cfg.fused_render == "on" or (cfg.fused_render == "auto" and self.use_kernels)
         self.graphed = self._captured_step(cfg.cuda_graph, params.distributed.overlap_comm)
-        self.field = NerfField(cfg, aabb, use_kernels=self.use_kernels).to(device)
+        if scene is not None:
+            check_scene(scene, aabb)
+            if cfg.scene_contraction != "none":
+                aabb = contraction_box(scene)
+        images = len(scene.train) if scene is not None else 1  # appearance codes; a loaded model brings its own
+        self.field = NerfField(cfg, aabb, use_kernels=self.use_kernels, num_images=images).to(device)
+        alpha = scene is not None and scene.train.channels == 4
+        if background is None and alpha:  # views with alpha render onto white (what evaluate composites on)
+            background = (1.0, 1.0, 1.0)
         if background is not None:  # images composited on a known colour: render onto exactly that
             self.field.fixed_background.copy_(torch.tensor(background, dtype=torch.float32))
-        self.grid = OccupancyGrid(aabb, cfg.occ_resolution, cfg.occ_threshold).to(device)
-        extent = (aabb[1] - aabb[0]).norm().item()
-        self.step_size = extent / cfg.samples_per_ray
-        # instant-ngp: Adam(0.9, 0.99, eps=1e-15); weight decay on the MLPs only.
+        # views with alpha train on a random colour per ray behind them (instant-ngp): a fixed one lets
+        # the field paint that colour into the box as floaters that cost nothing in the training views
+        self.random_bg = alpha and cfg.random_background != "off"
+        self.grid = OccupancyGrid(aabb, cfg.occ_resolution, cfg.occ_threshold, contract=self.field.contract).to(device)
+        self._set_step()
+        self._build_optimizers(params.steps, device)
+        self.ema = WeightAverage(self.parameters(), cfg.ema_decay) if cfg.ema_decay > 0 else None
+        self._last_count: tuple | None = None  # (samples or None for a graph step, rays) of the last micro-batch
+        self.budget = (RayBudget(cfg.target_samples, params.batch_rays, device) if cfg.target_samples
+                       else None)
+        if device.type == "cuda" and cfg.mlp_precision == "tf32":
+            torch.backends.cuda.matmul.allow_tf32 = True  # process-wide: the field's GEMMs on tensor cores
+
+    def _set_step(self) -> None:
+        """The march step (the box diagonal / samples_per_ray) and the steps a ray may take (3 times
+        as many with scene contraction: past the box, steps uniform in disparity)."""
+        aabb = self.field.aabb.cpu()
+        self.step_size = (aabb[1] - aabb[0]).norm().item() / self.cfg.samples_per_ray
+        self.max_steps = self.cfg.samples_per_ray * (3 if self.field.contract else 1)
+
+    def _build_optimizers(self, steps: int, device: torch.device) -> None:
+        """instant-ngp: Adam(0.9, 0.99, eps=1e-15); weight decay on the MLPs only. One Adam with two
+        groups ("field"), or with ``table_optimizer: sparse`` the MLPs' Adam ("field") and the
+        table's :class:`TableAdam` ("table"); each with the ``lr_schedule``."""
+        cfg = self.cfg
         enc = list(self.field.encoding.parameters())
         enc_ids = {id(p) for p in enc}
         mlp = [p for p in self.field.parameters() if id(p) not in enc_ids]
+        groups = [{"params": mlp, "weight_decay": cfg.weight_decay}]
+        if cfg.table_optimizer == "adam":
+            groups.insert(0, {"params": enc, "weight_decay": 0.0})
         self.optimizer = torch.optim.Adam(
-            [{"params": enc, "weight_decay": 0.0}, {"params": mlp, "weight_decay": cfg.weight_decay}],
-            lr=cfg.lr, betas=(0.9, 0.99), eps=1e-15,
+            groups, lr=cfg.lr, betas=(0.9, 0.99), eps=1e-15,
             # one fused kernel on the GPU: the multi-tensor Adam was ~8 % of a step's GPU time
             # (profile of 8192-ray steps on an H200, RAYFORGE_PROFILE); the CPU keeps the default
             fused=device.type == "cuda",
         )
-        steps = params.steps
-        warmup = min(100, max(1, steps // 10))
-        decay = math.log(cfg.lr_final / cfg.lr)
-
-        def schedule(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            return math.exp(decay * min(1.0, (step - warmup) / max(1, steps - warmup)))
-
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.optimizers = {"field": self.optimizer}
-        self.schedulers = {"field": self.scheduler}
+        if cfg.table_optimizer == "sparse":
+            self.optimizers["table"] = TableAdam(enc, lr=cfg.lr, betas=(0.9, 0.99), eps=1e-15,
+                                                 use_kernels=self.use_kernels)
+        self.schedulers = {name: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg, steps))
+                           for name, opt in self.optimizers.items()}
 
     def _captured_step(self, setting: str, overlap_comm: bool):
         """The CUDA-graph training step (nerf/graph.py), or None for eager steps."""
@@ -97,8 +125,11 @@ class NerfMethod:
     def place(self, views):
         return views.to(self.device)
 
-    def make_sampler(self, views, generator: torch.Generator) -> RaySampler:
-        return RaySampler(views, generator)
+    def make_sampler(self, views, generator: torch.Generator):
+        sampler = RaySampler(views, generator)
+        if self.field.appearance is not None:  # batches carry each ray's image (its appearance code)
+            sampler.sample = sampler.sample_indexed
+        return sampler if self.budget is None else _BudgetedSampler(sampler, self.budget)
 
     def occ_schedule(self) -> tuple[int, int, int]:
         """(refresh every, warm-up steps, all-cells steps) of the occupancy grid in training steps:
@@ -110,56 +141,95 @@ class NerfMethod:
     def step_pre_forward(self, step: int, generator: torch.Generator) -> torch.Tensor | None:
         """Refresh the occupancy grid every ``occ_update_every`` steps; all cells during
         the first 256 steps, a quarter of them afterwards (instant-ngp); nothing pruned before
-        ``occ_warmup_steps`` (all three scaled by ``occ_schedule_scale``). Returns the occupied
-        fraction (a device tensor) after a refresh, None on other steps."""
+        ``occ_warmup_steps`` (all three scaled by ``occ_schedule_scale``). With ``target_samples``
+        the ray budget is revised then too (its buffer is broadcast with the grid's). Returns the
+        occupied fraction (a device tensor) after a refresh, None on other steps."""
         every, warmup, full = self.occ_schedule()
         if step % every != 0:
             return None
+        if self.budget is not None and self._last_count is not None:
+            self.budget.revise(*self._counted())
         return self.grid.update(
             self.field.density, self.step_size, generator=generator, fraction=1.0 if step < full else 0.25,
             prune=step >= warmup,
         )
 
-    def loss(self, o, d, rgb, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+    def loss(self, o, d, rgb, generator: torch.Generator, background: torch.Tensor | None = None,
+             appearance: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         out = render_rays(
-            self.field, self.grid, o, d, self.step_size, self.cfg.samples_per_ray,
-            near=self.cfg.near, perturb=True, generator=generator, fused=self.fused,
+            self.field, self.grid, o, d, self.step_size, self.max_steps,
+            near=self.cfg.near, perturb=True, generator=generator, fused=self.fused, background=background,
+            appearance=appearance,
         )
         mse = torch.nn.functional.mse_loss(out["rgb"], rgb)
         return mse, {"mse": mse.detach(), "num_samples": out["num_samples"]}
 
-    def packed_loss(self, o, d, rgb, jitter: torch.Tensor, capacity: int | None = None):
+    def packed_loss(self, o, d, rgb, jitter: torch.Tensor, capacity: int | None = None,
+                    background: torch.Tensor | None = None, image: torch.Tensor | None = None):
         """(mse, render output) of the packed renderer with the sample ``jitter`` given and an
         optional fixed sample budget: the body of a CUDA-graph step (nerf/graph.py) and of the eager
-        step that sizes its first budget."""
-        out = render_packed(self.field, self.grid, o, d, jitter, self.step_size, self.cfg.samples_per_ray,
-                            self.cfg.near, capacity=capacity)
+        step that sizes its first budget. ``image``: each ray's training image (appearance codes)."""
+        out = render_packed(self.field, self.grid, o, d, jitter, self.step_size, self.max_steps,
+                            self.cfg.near, capacity=capacity, background=background,
+                            appearance=None if image is None else self.field.appearance(image))
         return torch.nn.functional.mse_loss(out["rgb"], rgb), out
 
+    def targets(self, rgb: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The colours [R, 3] a batch trains on and the background [R, 3] to render them on (None: the
+        field's). RGBA [R, 4] (straight alpha) is composited on a random colour per ray (drawn from
+        ``generator``) with ``random_background``, else on the field's fixed colour."""
+        if rgb.shape[-1] != 4:
+            return rgb, None
+        if not self.random_bg:
+            return composite(rgb, self.field.fixed_background), None
+        bg = torch.rand((rgb.shape[0], 3), generator=generator, device=generator.device).to(rgb.device)
+        return composite(rgb, bg), bg
+
     def forward_backward(self, batch, generator: torch.Generator, before_backward=None) -> dict:
-        """One micro-batch of rays ``(o, d, rgb)``: the loss's gradients are added to the parameters'
+        """One micro-batch of rays ``(o, d, rgb)`` (``rgb`` [R, 3], or RGBA [R, 4]: see :meth:`targets`):
+        the loss's gradients are added to the parameters'
         ``.grad``; returns ``loss`` (= ``mse``) and ``num_samples`` (device tensors).
         ``before_backward`` is called between the forward and the backward of an eager step (a
         replayed graph step has no such point)."""
-        o, d, rgb = batch
+        o, d, rgb, *image = batch
+        image = image[0] if image else None  # with appearance codes: each ray's training image
+        rgb, bg = self.targets(rgb, generator)  # drawn before the jitter on both paths
+        self._last_count = (None, o.shape[0])
         if self.graphed is not None:
             jitter = sample_jitter(o.shape[0], True, generator, self.device)  # as render_rays draws it
-            got = self.graphed(o, d, rgb, jitter)
+            got = self.graphed(o, d, rgb, jitter, bg, image)
             if got is not None:
                 return {"loss": got[0], "mse": got[0], "num_samples": got[1]}
             # no sample count yet to size the graph's budget: this step runs eagerly and gives one
-            loss, out = self.packed_loss(o, d, rgb, jitter)
+            loss, out = self.packed_loss(o, d, rgb, jitter, background=bg, image=image)
             self.graphed.observe(int(out["num_samples"]))
             info = {"mse": loss.detach(), "num_samples": out["num_samples"]}
         else:
-            loss, info = self.loss(o, d, rgb, generator)
+            app = None if image is None else self.field.appearance(image)
+            loss, info = self.loss(o, d, rgb, generator, bg, app)
+        self._last_count = (info["num_samples"], o.shape[0])
         if before_backward is not None:
             before_backward()
-        loss.backward()
+        if loss.requires_grad:  # a batch whose rays all missed the occupied cells trains nothing
+            loss.backward()
         return {"loss": info["mse"], **info}
+
+    def _counted(self) -> tuple[int, int]:
+        """(samples, rays) of the last micro-batch: its eager count, or a graph step's, waiting for
+        that step to finish (once per budget revision, so every run revises from the same counts)."""
+        samples, rays = self._last_count
+        if samples is None:  # a replayed graph step: its count arrives asynchronously
+            return self.graphed.flush(), rays
+        return int(samples), rays
 
     def optimizer_step(self, step: int, skip: torch.Tensor) -> None:
         step_optimizers(self.optimizers, self.schedulers, skip)
+        if self.ema is not None:
+            self.ema.update()
+
+    def _rendering(self):
+        """The weights renders use: the moving average with ``ema_decay``, else the trained ones."""
+        return self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
 
     def after_step(self, step: int, strategy) -> bool:
         return False  # the parameter set never changes
@@ -179,25 +249,33 @@ class NerfMethod:
         graph = None if g is None else {
             "captures": g.captures, "budget_samples": g.capacity, "max_samples_seen": g.max_count,
             "overflow_steps": g.overflow_steps, "failed": g.failed, "events": [list(e) for e in g.events]}
-        return {"kernels": self.use_kernels, "fused_render": self.fused, "cuda_graph": graph}
+        out = {"kernels": self.use_kernels, "fused_render": self.fused, "cuda_graph": graph}
+        if self.budget is not None:
+            b = self.budget
+            out["ray_budget"] = {"target_samples": b.target, "rays_per_step": int(b.buffer),
+                                 "revisions": b.revisions, "rays_drawn": b.rays_drawn}
+        return out
 
     @torch.no_grad()
     def render_ray_outputs(self, o: torch.Tensor, d: torch.Tensor, chunk: int = 8192) -> dict[str, torch.Tensor]:
         """``rgb`` [R, 3] in [0, 1], ``depth`` [R] (the weights' sum of sample distances along the unit
         ray, not divided by the opacity) and ``alpha`` [R] (opacity, the weights' sum) of rays [R, 3];
-        the dense renderer stops each ray early (render_rays_early_stop)."""
+        the dense renderer stops each ray early (render_rays_early_stop). With ``ema_decay`` the
+        weight average renders."""
         outs: dict[str, list[torch.Tensor]] = {"rgb": [], "depth": [], "alpha": []}
-        for i in range(0, o.shape[0], chunk):
-            args = (self.field, self.grid, o[i : i + chunk], d[i : i + chunk], self.step_size,
-                    self.cfg.samples_per_ray, self.cfg.near)
-            r = render_rays(*args, fused=True) if self.fused else render_rays_early_stop(*args)
-            for key, name in (("rgb", "rgb"), ("depth", "depth"), ("alpha", "opacity")):
-                outs[key].append(r[name])
+        with self._rendering():
+            for i in range(0, o.shape[0], chunk):
+                args = (self.field, self.grid, o[i : i + chunk], d[i : i + chunk], self.step_size,
+                        self.max_steps, self.cfg.near)
+                r = render_rays(*args, fused=True) if self.fused else render_rays_early_stop(*args)
+                for key, name in (("rgb", "rgb"), ("depth", "depth"), ("alpha", "opacity")):
+                    outs[key].append(r[name])
         out = {k: torch.cat(v) for k, v in outs.items()}
         out["rgb"] = out["rgb"].clamp(0, 1)
         return out
 
     def render_rays(self, o: torch.Tensor, d: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+        """Colours [R, 3] in [0, 1] (:meth:`render_ray_outputs`)."""
         return self.render_ray_outputs(o, d, chunk)["rgb"]
 
     @torch.no_grad()
@@ -213,7 +291,12 @@ class NerfMethod:
         return self.render_outputs(intr, c2w, chunk)["rgb"]
 
     def state_dict(self) -> dict:
-        return {"field": self.field.state_dict(), "grid": self.grid.state_dict()}
+        out = {"field": self.field.state_dict(), "grid": self.grid.state_dict()}
+        if self.ema is not None:
+            out["ema"] = self.ema.state_dict()
+        if self.budget is not None:
+            out["ray_budget"] = self.budget.state()
+        return out
 
     def local_state(self) -> dict:
         return {}  # every rank holds the same state
@@ -222,7 +305,80 @@ class NerfMethod:
         pass
 
     def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or not {"field", "grid"} <= set(state):
+            keys = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"not a NeRF model state (it has {keys}; a NeRF's has 'field' and 'grid'): a "
+                             "model of another method, or a file that is not a model")
+        mine = {**{f"field.{k}": v for k, v in self.field.state_dict().items()},
+                **{f"grid.{k}": v for k, v in self.grid.state_dict().items()}}
+        saved = {**{f"field.{k}": v for k, v in state["field"].items()},
+                 **{f"grid.{k}": v for k, v in state["grid"].items()}}
+        wrong = [f"{k}: saved {tuple(v.shape)}, this config {tuple(mine[k].shape)}"
+                 for k, v in saved.items() if k in mine and tuple(v.shape) != tuple(mine[k].shape)
+                 and not (k == "field.appearance.weight" and v.shape[1:] == mine[k].shape[1:])]
+        if ("field.appearance.weight" in saved) != ("field.appearance.weight" in mine):
+            wrong.append(f"field.appearance.weight: saved {'with' if 'field.appearance.weight' in saved else 'without'} "
+                         f"appearance codes, this config appearance_dim {self.cfg.appearance_dim}")
+        if wrong:
+            raise ValueError("the NeRF state does not fit reconstruct.nerf's sizes (a model of another config: "
+                             "levels, log2_hashmap_size, hidden_dim, occ_resolution, ...): " + "; ".join(wrong))
         field = dict(state["field"])
         field.setdefault("fixed_background", torch.full((3,), -1.0))  # models saved before it existed
+        codes = field.get("appearance.weight")
+        if self.field.appearance is not None and codes is not None and codes.shape != self.field.appearance.weight.shape:
+            # a model loaded to render (built without its scene): one code per image it was trained on
+            self.field.appearance = torch.nn.Embedding(*codes.shape).to(self.device)
         self.field.load_state_dict(field)
         self.grid.load_state_dict(state["grid"])
+        self._set_step()  # the saved box (with scene contraction: the cameras' and points' box)
+        if (self.ema is not None) != ("ema" in state):
+            raise ValueError(f"the saved NeRF state {'has' if 'ema' in state else 'lacks'} a weight average "
+                             f"but reconstruct.nerf.ema_decay is {self.cfg.ema_decay}")
+        if self.ema is not None:
+            self.ema.load_state_dict(state["ema"])
+        if self.budget is not None and "ray_budget" in state:
+            self.budget.load(state["ray_budget"].to(self.device))
+
+
+class _BudgetedSampler:
+    """A :class:`RaySampler` that draws as many rays as the :class:`RayBudget` says (``target_samples``)."""
+
+    def __init__(self, sampler: RaySampler, budget: RayBudget):
+        self.sampler, self.budget = sampler, budget
+
+    def sample(self, n: int):
+        return self.sampler.sample(self.budget.rays(n))
+
+
+def check_scene(scene, aabb: torch.Tensor) -> None:
+    """Stop with a message naming the problem when the scene cannot train a NeRF: a box that is
+    empty or not finite, or training cameras that all sit at one point (no parallax, no depth)."""
+    if aabb.shape != (2, 3) or not bool(torch.isfinite(aabb).all()) or not bool((aabb[1] > aabb[0]).all()):
+        raise ValueError(f"the scene box {aabb.tolist()} is empty or not finite (transforms.json 'aabb'); "
+                         "rerun the poses stage, or set a box with min < max on every axis")
+    centres = scene.train.c2w[:, :3, 3]
+    if not bool(torch.isfinite(scene.train.c2w).all()):
+        raise ValueError("a training camera pose is not finite (NaN or Inf in transforms.json)")
+    spread = float((centres - centres.mean(0)).norm(dim=-1).max()) if len(centres) else 0.0
+    if spread <= 1e-6 * float((aabb[1] - aabb[0]).norm()):
+        raise ValueError(f"all {len(centres)} training cameras are at one point ({centres[0].tolist()}): a NeRF "
+                         "needs views from different places to recover depth (a panorama or a camera turned "
+                         "on the spot cannot be reconstructed); capture the scene moving around it")
+
+
+def contraction_box(scene, pad: float = 0.1) -> torch.Tensor:
+    """[2, 3] inner box for scene contraction: the bounding box of the training cameras and of the
+    middle 90 % of the sparse points (5th to 95th percentile per axis), padded by ``pad`` of its
+    largest side. mip-NeRF 360 puts the cameras inside its inner region so that the space they look
+    through stays uncontracted; the points reach the objects in front of forward-facing cameras."""
+    centres = scene.train.c2w[:, :3, 3].double()
+    lo, hi = centres.min(0).values, centres.max(0).values
+    if scene.points is not None and len(scene.points) >= 8:
+        pts = scene.points.double()
+        lo = torch.minimum(lo, torch.quantile(pts, 0.05, dim=0))
+        hi = torch.maximum(hi, torch.quantile(pts, 0.95, dim=0))
+    side = float((hi - lo).max())
+    margin = pad * side
+    lo, hi = lo - margin, hi + margin
+    hi = torch.maximum(hi, lo + 0.1 * side)  # no flat axis (cameras on a plane, no points above it)
+    return torch.stack([lo, hi]).float()

@@ -3,7 +3,9 @@
 A cube of ``resolution**3`` cells over the scene box keeps an exponential moving
 maximum of the density seen at random points in each cell; samples that fall in cells
 whose opacity over one march step is below a threshold are skipped before the network
-is evaluated. State lives in registered buffers so it is saved with the model.
+is evaluated. State lives in registered buffers so it is saved with the model. With scene
+contraction (``contract``) the cells tile the contracted space (the box in the middle half of
+each axis, the rest of the world in the shell around it; kernels/_reference.py contract_reference).
 """
 from __future__ import annotations
 
@@ -12,13 +14,15 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kernels._reference import occupancy_cell_reference
+from kernels._reference import occupancy_cell_reference, uncontract_reference
 
 
 class OccupancyGrid(nn.Module):
-    def __init__(self, aabb: torch.Tensor, resolution: int = 64, threshold: float = 0.01, decay: float = 0.95):
+    def __init__(self, aabb: torch.Tensor, resolution: int = 64, threshold: float = 0.01, decay: float = 0.95,
+                 contract: bool = False):
         super().__init__()
         self.resolution = resolution
+        self.contract = contract
         self.threshold = threshold
         self.decay = decay
         self.register_buffer("aabb", aabb.clone().float())
@@ -30,7 +34,7 @@ class OccupancyGrid(nn.Module):
     def cell_index(self, x: torch.Tensor) -> torch.Tensor:
         """Flat cell index [N] of world points [N, 3] (clamped into the grid), as the marching
         kernel computes it (kernels/_reference.py, occupancy_cell_reference)."""
-        return occupancy_cell_reference(x, self.aabb, self.resolution)
+        return occupancy_cell_reference(x, self.aabb, self.resolution, self.contract)
 
     def occupied(self, x: torch.Tensor) -> torch.Tensor:
         return self.mask[self.cell_index(x)]
@@ -60,7 +64,10 @@ class OccupancyGrid(nn.Module):
             cells = torch.arange(n, device=dev)
         ijk = torch.stack([cells // (r * r), (cells // r) % r, cells % r], dim=-1).float()
         jitter = torch.rand(ijk.shape, generator=generator, device=generator.device if generator else "cpu").to(dev)
-        x = self.aabb[0] + (ijk + jitter) / r * (self.aabb[1] - self.aabb[0])
+        if self.contract:  # a point of the cell in the contracted space, back in the world
+            x = uncontract_reference((ijk + jitter) / r, self.aabb)
+        else:
+            x = self.aabb[0] + (ijk + jitter) / r * (self.aabb[1] - self.aabb[0])
         new = torch.cat([density_fn(x[i : i + chunk]).float() for i in range(0, len(x), chunk)])
         self.density[cells] = torch.maximum(self.density[cells] * self.decay, new)
         if not prune:
@@ -69,5 +76,8 @@ class OccupancyGrid(nn.Module):
         # Opacity of one march step; a cell is kept if it could stop light.
         alpha = 1.0 - torch.exp(-self.density * step_size)
         thresh = alpha.mean().clamp(max=self.threshold)  # min(threshold, mean), on the device
-        self.mask.copy_(alpha > thresh)  # in place: a captured training step holds its address
+        # in place: a captured training step holds its address. The densest cells always stay: when
+        # every cell has the same density (a bfloat16 field at initialisation rounds them alike) no
+        # cell is above the mean, and a grid with no cell left would never be trained open again
+        self.mask.copy_((alpha > thresh) | (alpha >= alpha.max()))
         return self.mask.float().mean()

@@ -3,14 +3,17 @@
 Samples are taken at a fixed step along each ray between its entry into and exit from
 the scene box (stratified jitter while training), samples in empty cells are dropped
 before the network runs, and the rest are alpha-composited front to back (Max 1995;
-Mildenhall et al. 2020, eq. 3) over the learned background colour.
+Mildenhall et al. 2020, eq. 3) over the learned background colour. With scene contraction
+(``field.contract``) a ray does not stop at the box: past it the steps are uniform in disparity,
+out to ~1000 times the distance it took to cross the box, and each sample has its own step length
+(kernels/_reference.py march_steps_reference).
 """
 from __future__ import annotations
 
 import torch
 
 import kernels
-from kernels._reference import ray_box_reference
+from kernels._reference import march_steps_reference, ray_box_reference
 
 from .field import NerfField, sh_encode_deg4
 from .occupancy import OccupancyGrid
@@ -41,13 +44,17 @@ def render_rays(
     perturb: bool = False,
     generator: torch.Generator | None = None,
     fused: bool = False,
+    background: torch.Tensor | None = None,
+    appearance: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Render rays [R, 3] (origins ``o``, unit directions ``d``).
 
     ``fused``: march and composite packed samples with :func:`kernels.march_rays` and
     :func:`kernels.composite` (CUDA kernels on a GPU, their PyTorch references elsewhere): the same
     samples and, up to float summation order, the same result as the dense path below, in a few
-    launches instead of ~60.
+    launches instead of ~60. ``background``: a colour [R, 3] per ray behind the field (random
+    colours while training on images with alpha); None: the field's own (learned or fixed).
+    ``appearance``: each ray's appearance code [R, appearance_dim] (None: the field's mean code).
 
     Returns:
         dict with ``rgb`` [R, 3], ``opacity`` [R], ``depth`` [R] and ``num_samples``
@@ -57,11 +64,16 @@ def render_rays(
     dev = o.device
     jitter = sample_jitter(R, perturb, generator, dev)  # the same draws for both paths
     if fused:
-        return render_packed(field, grid, o, d, jitter, step_size, max_samples, near)
-    tmin, tmax = ray_aabb(o, d, field.aabb, near)
-    steps = torch.arange(max_samples, device=dev, dtype=o.dtype)
-    t = tmin[:, None] + (steps[None, :] + jitter[:, None]) * step_size  # [R, S] sample midpoints
-    valid = t < tmax[:, None]
+        return render_packed(field, grid, o, d, jitter, step_size, max_samples, near, background=background,
+                             appearance=appearance)
+    if field.contract:  # linear, then uniform in disparity; each sample its own step
+        t, dt, valid = march_steps_reference(o, d, jitter, field.aabb, step_size, max_samples, near, True)
+    else:
+        tmin, tmax = ray_aabb(o, d, field.aabb, near)
+        steps = torch.arange(max_samples, device=dev, dtype=o.dtype)
+        t = tmin[:, None] + (steps[None, :] + jitter[:, None]) * step_size  # [R, S] sample midpoints
+        valid = t < tmax[:, None]
+        dt = step_size
     pts = o[:, None, :] + t[..., None] * d[:, None, :]
     if grid is not None:
         # every sample looked up (a clamped cell index, cheap) rather than the valid ones picked by a
@@ -72,14 +84,15 @@ def render_rays(
     rgb = torch.zeros((R, max_samples, 3), device=dev, dtype=o.dtype)
     if idx[0].numel() > 0:
         # the view encoding once per ray, gathered per sample (rays hold ~10-100 samples each)
-        s, c = field(pts[idx], d_enc=sh_encode_deg4(d)[idx[0]])
+        s, c = field(pts[idx], d_enc=sh_encode_deg4(d)[idx[0]], app=None if appearance is None else appearance[idx[0]])
         sigma = sigma.index_put(idx, s.to(o.dtype))
         rgb = rgb.index_put(idx, c.to(o.dtype))
-    alpha = 1.0 - torch.exp(-sigma * step_size)
+    alpha = 1.0 - torch.exp(-sigma * dt)
     trans = torch.cumprod(torch.cat([torch.ones((R, 1), device=dev), 1.0 - alpha + 1e-10], dim=1), dim=1)[:, :-1]
     w = alpha * trans
     opacity = w.sum(dim=1)
-    color = (w[..., None] * rgb).sum(dim=1) + (1.0 - opacity)[:, None] * field.background_rgb()
+    bg = field.background_rgb() if background is None else background
+    color = (w[..., None] * rgb).sum(dim=1) + (1.0 - opacity)[:, None] * bg
     depth = (w * t).sum(dim=1)
     return {"rgb": color, "opacity": opacity, "depth": depth, "num_samples": torch.tensor(idx[0].numel())}
 
@@ -99,6 +112,7 @@ def render_rays_early_stop(
     max_samples: int,
     near: float = 0.0,
     segment: int = 16,
+    appearance: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """:func:`render_rays` for rendering views (no gradients, step midpoints): the same samples,
     marched ``segment`` steps at a time, and a ray is dropped once its transmittance falls below
@@ -106,21 +120,30 @@ def render_rays_early_stop(
     behind a surface. Same outputs as :func:`render_rays` up to the light that early stop leaves
     out (at most ``EARLY_STOP_T`` per ray) and float summation order."""
     R, dev, dt = o.shape[0], o.device, o.dtype
-    tmin, tmax = ray_aabb(o, d, field.aabb, near)
+    if field.contract:  # every step of every ray at once (linear, then in disparity); segments slice them
+        t_all, step_all, valid_all = march_steps_reference(o, d, torch.full((R,), 0.5, device=dev), field.aabb,
+                                                           step_size, max_samples, near, True)
+        live = valid_all[:, 0].nonzero(as_tuple=True)[0]
+    else:
+        tmin, tmax = ray_aabb(o, d, field.aabb, near)
+        live = (tmin < tmax).nonzero(as_tuple=True)[0]
     color = torch.zeros((R, 3), device=dev, dtype=dt)
     opacity = torch.zeros(R, device=dev, dtype=dt)
     depth = torch.zeros(R, device=dev, dtype=dt)
     trans = torch.ones(R, device=dev, dtype=dt)
-    live = (tmin < tmax).nonzero(as_tuple=True)[0]
     d_enc = sh_encode_deg4(d)
     evaluated = 0
     for k0 in range(0, max_samples, segment):
         if live.numel() == 0:
             break
-        steps = torch.arange(k0, min(k0 + segment, max_samples), device=dev, dtype=dt)
-        S = steps.numel()
-        t = tmin[live, None] + (steps[None, :] + 0.5) * step_size  # [L, S]
-        valid = t < tmax[live, None]
+        k1 = min(k0 + segment, max_samples)
+        if field.contract:
+            t, valid, step = t_all[live, k0:k1], valid_all[live, k0:k1], step_all[live, k0:k1]
+        else:
+            steps = torch.arange(k0, k1, device=dev, dtype=dt)
+            t = tmin[live, None] + (steps[None, :] + 0.5) * step_size  # [L, S]
+            valid, step = t < tmax[live, None], step_size
+        S = t.shape[1]
         pts = o[live, None, :] + t[..., None] * d[live, None, :]
         if grid is not None:
             valid = valid & grid.occupied(pts.reshape(-1, 3)).view(-1, S)
@@ -128,11 +151,12 @@ def render_rays_early_stop(
         sigma = torch.zeros((live.numel(), S), device=dev, dtype=dt)
         rgb = torch.zeros((live.numel(), S, 3), device=dev, dtype=dt)
         if idx[0].numel() > 0:
-            s, c = field(pts[idx], d_enc=d_enc[live[idx[0]]])
+            rays = live[idx[0]]
+            s, c = field(pts[idx], d_enc=d_enc[rays], app=None if appearance is None else appearance[rays])
             sigma = sigma.index_put(idx, s.to(dt))
             rgb = rgb.index_put(idx, c.to(dt))
             evaluated += idx[0].numel()
-        alpha = 1.0 - torch.exp(-sigma * step_size)
+        alpha = 1.0 - torch.exp(-sigma * step)
         keep = torch.cumprod(torch.cat([torch.ones((live.numel(), 1), device=dev, dtype=dt),
                                         1.0 - alpha + 1e-10], dim=1), dim=1)  # [L, S + 1]
         w = alpha * keep[:, :-1] * trans[live, None]
@@ -140,30 +164,37 @@ def render_rays_early_stop(
         opacity[live] += w.sum(dim=1)
         depth[live] += (w * t).sum(dim=1)
         trans[live] = trans[live] * keep[:, -1]
-        live = live[(trans[live] > EARLY_STOP_T) & (t[:, -1] + step_size < tmax[live])]
+        if field.contract:
+            more = valid_all[live, k1] if k1 < max_samples else torch.zeros_like(live, dtype=torch.bool)
+        else:
+            more = t[:, -1] + step_size < tmax[live]
+        live = live[(trans[live] > EARLY_STOP_T) & more]
     color = color + (1.0 - opacity)[:, None] * field.background_rgb()
     return {"rgb": color, "opacity": opacity, "depth": depth, "num_samples": torch.tensor(evaluated)}
 
 
 def render_packed(field: NerfField, grid: OccupancyGrid | None, o: torch.Tensor, d: torch.Tensor,
                   jitter: torch.Tensor, step_size: float, max_samples: int, near: float = 0.0,
-                  capacity: int | None = None) -> dict[str, torch.Tensor]:
+                  capacity: int | None = None, background: torch.Tensor | None = None,
+                  appearance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The packed-sample renderer of :func:`render_rays` (``fused=True``) with the sample jitter [R]
     given. ``capacity``: a fixed sample budget (see :func:`kernels.march_rays`): no host sync and
     the same shapes every call (what a CUDA graph needs); ``num_samples`` is then a 0-d device
     tensor (the samples evaluated; a 0-d CPU tensor without a budget) and ``total_samples`` the
-    count before the budget's cut."""
+    count before the budget's cut. ``background``, ``appearance``: as :func:`render_rays`."""
     use = field.encoding.use_kernels  # the method's resolved choice: kernels here, or the references
     s = kernels.march_rays(o.float().contiguous(), d.float().contiguous(), jitter, field.aabb,
                            None if grid is None else grid.mask, step_size, max_samples, near,
-                           capacity=capacity, use_kernels=use)
+                           capacity=capacity, contract=field.contract, use_kernels=use)
     if s.t.numel() > 0:
-        sigma, rgb = field(s.points, d_enc=sh_encode_deg4(d)[s.ray_index])
+        sigma, rgb = field(s.points, d_enc=sh_encode_deg4(d)[s.ray_index],
+                           app=None if appearance is None else appearance[s.ray_index])
     else:
         sigma, rgb = o.new_zeros(0), o.new_zeros(0, 3)
     color, opacity, depth = kernels.composite(sigma.float(), rgb.float(), s.t, s.offsets, s.counts, step_size,
-                                              use_kernels=use)
-    color = color + (1.0 - opacity)[:, None] * field.background_rgb()
+                                              steps=s.steps, use_kernels=use)
+    bg = field.background_rgb() if background is None else background
+    color = color + (1.0 - opacity)[:, None] * bg
     out = {"rgb": color, "opacity": opacity, "depth": depth}
     if capacity is None:
         out["num_samples"] = torch.tensor(s.t.numel())

@@ -1,0 +1,358 @@
+"""NeRF quality against wall-clock training time (issue 17): test PSNR / SSIM at 15, 30, 60, 120 s.
+
+Not a test: trains each scene once through the training entry point (``stages.reconstruct.train.train``,
+the loop the reconstruct stage runs), snapshots the model the first time the training clock passes each
+budget, and evaluates every snapshot afterwards (outside the timed region: the clock is paused while a
+snapshot is copied, and stops at the last budget). So the four rows of a scene are one model at four
+moments, as instant-ngp's 15 s / 60 s numbers are. Per scene it also prints samples/s and rays/s over the
+run, the peak GPU memory, and the time to render one view at 800 px on its longest side. ``--method 3dgs``
+trains ``reconstruct.method=3dgs`` on the same scenes side by side (skipped, with the reason, where that
+method cannot be built here).
+
+    python benchmarks/bench_nerf_quality.py --poses lego=<lego poses> --poses fox=<fox poses> \\
+        --poses fern=<fern poses> --method 3dgs --json nerf_quality.json
+
+``--poses`` takes poses-stage outs (``name=dir``). Lego's must keep its alpha channel (``ingest.alpha:
+keep``, ``poses.source: transforms``): with images composited on white the field can paint white floaters
+for free (see the README), and its test views are scored on white either way. Real captures (no alpha, no
+known background) train with scene contraction (``--contraction auto``). Needs a CUDA GPU, torch and this
+repository (no DVC, pycolmap or open3d); ``--allow-cpu`` runs it on the CPU with tiny budgets (a smoke test).
+
+Targets (one H200, issue 17): lego >= 33.4 dB at 15 s and >= 35.7 dB at 60 s; test PSNR never drops by more
+than 0.2 dB from one budget to the next; fox and fern within 1 dB of 3DGS at 120 s. Each is printed as
+PASS / FAIL / n/a at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from stages.common import metrics as M  # noqa: E402
+from stages.common.params import from_dict  # noqa: E402
+from stages.reconstruct.config import ReconstructParams  # noqa: E402
+from stages.reconstruct.data import composite, load_scene  # noqa: E402
+
+train_module = importlib.import_module("stages.reconstruct.train")  # the module (the package exports the function)
+
+BUDGETS = (15.0, 30.0, 60.0, 120.0)
+
+# The GPU profile recommended for the NeRF (params.yaml's reconstruct section, then these): instant-ngp's
+# encoding (L=16, T=2^19, finest 2048 in the box) and training (2^18 samples a step with the rays
+# adapting, Adam that skips untouched table entries, its step-free learning-rate schedule, an average of
+# the weights for rendering), march steps of the box diagonal / 1024 as instant-ngp's sqrt(3)/1024 of the
+# unit cube, a 128^3 occupancy grid warmed up for 256 steps, TF32 matmuls. `steps` is only a cap here.
+GPU_NERF = {
+    "levels": 16, "log2_hashmap_size": 19, "max_resolution": 2048, "samples_per_ray": 1024,
+    "occ_resolution": 128, "occ_warmup_steps": 256, "lr": 1e-2, "lr_schedule": "ngp", "ema_decay": 0.95,
+    "table_optimizer": "sparse", "target_samples": 1 << 18, "mlp_precision": "tf32",
+}
+GPU_RECONSTRUCT = {"batch_rays": 8192, "steps": 1_000_000}
+# real captures (no alpha, no known background): the world past the box contracted into a shell around it;
+# the box then takes the middle half of the hash grid per axis, so the finest level doubles, and the march
+# step is that of instant-ngp's 512 steps across the box
+CONTRACTED_NERF = {"scene_contraction": "mipnerf360", "max_resolution": 4096, "samples_per_ray": 512}
+# 3DGS side by side: the 3DGS reference's 30k-step schedule (the clock stops it earlier)
+GPU_3DGS = {"steps": 30_000}
+
+
+class _BudgetReached(Exception):
+    """Raised from the method's ``after_step`` once the last budget's snapshot is taken (stops training)."""
+
+
+class Clock:
+    """Training time with pauses (snapshots), started at the first step's ``step_pre_forward``."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.t0, self.paused = device, None, 0.0
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        if self.t0 is None:
+            self.sync()
+            self.t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return 0.0 if self.t0 is None else time.perf_counter() - self.t0 - self.paused
+
+
+def _clone(state):
+    """A copy of a state dict's tensors on the CPU (a snapshot that later training cannot change)."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: _clone(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_clone(v) for v in state)
+    return state
+
+
+def train_with_snapshots(params: ReconstructParams, scene, device: torch.device, budgets, seed: int = 0) -> dict:
+    """Train through ``train.train`` until the clock passes the last budget; returns the snapshots (state,
+    time, steps, work) and the run's figures. The method is wrapped where the loop calls it (its
+    ``step_pre_forward`` starts the clock, ``forward_backward`` counts the work on the device without a
+    sync, ``after_step`` takes the snapshots), so any registered method runs the same way."""
+    clock = Clock(device)
+    todo = sorted(budgets)
+    out = {"snapshots": [], "method": None}
+    real_build = train_module.build_method
+
+    def build(*a, **kw):
+        method = real_build(*a, **kw)
+        out["method"] = method
+        work = torch.zeros(2, dtype=torch.float64, device=device)  # samples, rays
+        steps = [0]
+        pre, fb, after = method.step_pre_forward, method.forward_backward, method.after_step
+
+        def step_pre_forward(step, generator):
+            clock.start()
+            return pre(step, generator)
+
+        def forward_backward(batch, generator, before_backward=None):
+            info = fb(batch, generator, before_backward)
+            units = batch[0].shape[0] if isinstance(batch, (tuple, list)) else len(getattr(batch, "indices", ()))
+            work[0] += torch.as_tensor(info["num_samples"], device=device).double()
+            work[1] += units
+            return info
+
+        def after_step(step, strategy):
+            changed = after(step, strategy)
+            steps[0] = step + 1
+            if todo and clock.elapsed() >= todo[0]:
+                clock.sync()
+                t = clock.elapsed()  # the GPU has finished every step queued up to here
+                mark = time.perf_counter()
+                while todo and t >= todo[0]:
+                    out["snapshots"].append({"budget": todo.pop(0), "time_s": t, "steps": steps[0],
+                                             "samples": float(work[0]), "units": float(work[1]),
+                                             "state": _clone(method.state_dict())})
+                clock.paused += time.perf_counter() - mark
+                if not todo:
+                    raise _BudgetReached
+            return changed
+
+        method.step_pre_forward, method.forward_backward, method.after_step = (
+            step_pre_forward, forward_backward, after_step)
+        return method
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    train_module.build_method = build
+    try:
+        train_module.train(params, scene, device, seed, progress=False)
+        out["stopped"] = "ran out of steps (reconstruct.steps) before the last budget"
+    except _BudgetReached:
+        out["stopped"] = "budget"
+    finally:
+        train_module.build_method = real_build
+    out["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return out
+
+
+def evaluate(method, scene, max_views: int = 0) -> tuple[float, float, list[float]]:
+    """Mean PSNR and SSIM over the test views (RGBA ground truth composited on the scene's known colour,
+    else white, as the evaluate stage does) and the per-view PSNRs."""
+    views = scene.test
+    bg = scene.background or (1.0, 1.0, 1.0)
+    idx = list(range(len(views)))[: max_views or None]
+    psnrs, ssims = [], []
+    for i in idx:
+        gt = composite(views.image(i).float() / 255.0, bg).cpu()
+        pred = method.render_image(views.intr(i), views.c2w[i].float()).float().cpu().clamp(0, 1)
+        psnrs.append(M.psnr(pred, gt))
+        ssims.append(M.ssim(pred, gt))
+    return sum(psnrs) / len(psnrs), sum(ssims) / len(ssims), psnrs
+
+
+def render_time(method, scene, device: torch.device, side: int = 800) -> dict:
+    """Seconds to render the first test view with its camera scaled to ``side`` px on its longest side
+    (best of 3 after a warm-up)."""
+    views = scene.test if len(scene.test) else scene.train
+    intr = views.intr(0)
+    intr = intr.scaled(side / max(intr.width, intr.height))
+    c2w = views.c2w[0].float()
+    method.render_image(intr, c2w)
+    best = math.inf
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        method.render_image(intr, c2w)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t)
+    return {"size": f"{intr.width}x{intr.height}", "seconds": best}
+
+
+def make_params(method: str, scene, contraction: str, sets: list[str], device: torch.device) -> ReconstructParams:
+    """params.yaml's reconstruct section with this script's profile and the --set overrides."""
+    data = yaml.safe_load((ROOT / "params.yaml").read_text())["reconstruct"]
+    data.update(method=method, device=device.type, eval_every=10**9, tensorboard=False)
+    data["distributed"].update(gpus=1, checkpoint_every=0, replica_check_every=0)
+    if method == "nerf":
+        data.update(GPU_RECONSTRUCT)
+        data["nerf"].update(GPU_NERF)
+        real = scene.background is None and scene.train.channels == 3
+        if contraction == "on" or (contraction == "auto" and real):
+            data["nerf"].update(CONTRACTED_NERF)
+    else:
+        data.update(GPU_3DGS)
+    for kv in sets:
+        key, _, value = kv.partition("=")
+        *path, last = key.split(".")
+        obj = data
+        for k in path:
+            obj = obj.setdefault(k, {})
+        obj[last] = yaml.safe_load(value)
+    return from_dict(ReconstructParams, data, "reconstruct")
+
+
+def run_scene(name: str, poses: Path, method: str, args, device: torch.device) -> dict:
+    from stages.reconstruct.data import working_side
+
+    scene = load_scene(poses, max_side=working_side(device))
+    params = make_params(method, scene, args.contraction, args.set if method == "nerf" else args.set_3dgs, device)
+    print(f"{name}: {method}, {len(scene.train)} train / {len(scene.test)} test views, "
+          f"{'RGBA' if scene.train.channels == 4 else 'RGB'}, budgets {args.budgets} s", flush=True)
+    run = train_with_snapshots(params, scene, device, args.budgets, args.seed)
+    fresh = importlib.import_module("stages.reconstruct.methods").build_method(
+        params, scene.aabb, device, scene.background, scene)
+    rows = []
+    for snap in run["snapshots"]:
+        fresh.load_state_dict(snap.pop("state"))
+        psnr, ssim, per_view = evaluate(fresh, scene, args.max_views)
+        t = snap["time_s"]
+        rows.append({**snap, "psnr": psnr, "ssim": ssim, "worst_view_psnr": min(per_view),
+                     "samples_per_s": snap["samples"] / t, "units_per_s": snap["units"] / t})
+        print(f"  {snap['budget']:6g} s: step {snap['steps']:6d}, {psnr:6.2f} dB, SSIM {ssim:.4f} "
+              f"(worst view {min(per_view):.2f} dB)", flush=True)
+    timing = render_time(fresh, scene, device, args.render_side) if rows else None
+    summary = run["method"].summary() if run["method"] is not None else {}
+    return {"scene": name, "method": method, "poses": str(poses), "rows": rows, "stopped": run["stopped"],
+            "peak_memory_bytes": run["peak_memory_bytes"], "render_800": timing,
+            "params": {k: v for k, v in vars(params).items() if k in ("batch_rays", "steps")},
+            "nerf": vars(params.nerf) if method == "nerf" else None, "summary": summary}
+
+
+def targets(results: list[dict]) -> list[tuple[str, str]]:
+    """(target, PASS | FAIL | n/a with the figures) for issue 17's targets."""
+    by = {(r["scene"], r["method"]): {row["budget"]: row["psnr"] for row in r["rows"]} for r in results
+          if "rows" in r}
+    out = []
+
+    def verdict(ok: bool | None, text: str) -> str:
+        return ("n/a" if ok is None else "PASS" if ok else "FAIL") + f" ({text})"
+
+    lego = by.get(("lego", "nerf"), {})
+    for budget, want in ((15.0, 33.4), (60.0, 35.7)):
+        got = lego.get(budget)
+        out.append((f"lego >= {want} dB at {budget:g} s", verdict(None if got is None else got >= want,
+                                                                  "no run" if got is None else f"{got:.2f} dB")))
+    for (scene, method), rows in by.items():
+        if method != "nerf":
+            continue
+        b = sorted(rows)
+        drops = [rows[x] - rows[y] for x, y in zip(b, b[1:])]
+        worst = max(drops, default=0.0)
+        out.append((f"{scene}: no drop > 0.2 dB between budgets", verdict(worst <= 0.2, f"largest drop {worst:.2f} dB")))
+    for scene in ("fox", "fern"):
+        nerf, gs = by.get((scene, "nerf"), {}).get(120.0), by.get((scene, "3dgs"), {}).get(120.0)
+        ok = None if nerf is None or gs is None else nerf >= gs - 1.0
+        out.append((f"{scene} within 1 dB of 3DGS at 120 s",
+                    verdict(ok, "no 3DGS run" if gs is None else "no NeRF run" if nerf is None
+                            else f"NeRF {nerf:.2f} dB, 3DGS {gs:.2f} dB")))
+    return out
+
+
+def table(results: list[dict]) -> str:
+    head = ["scene", "method", "budget", "steps", "PSNR", "SSIM", "worst view", "samples/s", "rays|views/s",
+            "peak mem", "render 800"]
+    rows = []
+    for r in results:
+        if "error" in r:
+            rows.append([r["scene"], r["method"], "skipped", "", "", "", "", "", "", "", r["error"][:60]])
+            continue
+        mem = "" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**30:.1f} GiB"
+        ren = "" if r["render_800"] is None else f"{r['render_800']['seconds'] * 1e3:.0f} ms ({r['render_800']['size']})"
+        for row in r["rows"]:
+            rows.append([r["scene"], r["method"], f"{row['budget']:g} s", row["steps"], f"{row['psnr']:.2f}",
+                         f"{row['ssim']:.4f}", f"{row['worst_view_psnr']:.2f}", f"{row['samples_per_s'] / 1e6:.1f} M",
+                         f"{row['units_per_s'] / 1e6:.3f} M" if r["method"] == "nerf" else f"{row['units_per_s']:.0f}",
+                         mem, ren])
+    cols = [head] + [[str(c) for c in r] for r in rows]
+    w = [max(len(r[i]) for r in cols) for i in range(len(head))]
+    fmt = lambda r: "| " + " | ".join(c.rjust(w[i]) for i, c in enumerate(r)) + " |"  # noqa: E731
+    return "\n".join([fmt(head), "|" + "|".join("-" * (x + 2) for x in w) + "|"] + [fmt(r) for r in cols[1:]])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--poses", action="append", required=True, help="name=poses-stage out (repeatable)")
+    ap.add_argument("--method", action="append", choices=["3dgs"], default=[],
+                    help="also train this method on every scene (reconstruct.method=3dgs), side by side")
+    ap.add_argument("--budgets", default=",".join(f"{b:g}" for b in BUDGETS),
+                    help="wall-clock training budgets in seconds, comma separated")
+    ap.add_argument("--set", action="append", default=[], help="reconstruct.<key>=<yaml value> for the NeRF runs")
+    ap.add_argument("--set-3dgs", action="append", default=[], help="reconstruct.<key>=<yaml value> for 3DGS runs")
+    ap.add_argument("--contraction", choices=["auto", "on", "off"], default="auto",
+                    help="scene contraction for the NeRF: auto = for scenes without alpha or a known background")
+    ap.add_argument("--max-views", type=int, default=0, help="evaluate at most this many test views (0: all)")
+    ap.add_argument("--render-side", type=int, default=800, help="longest side of the timed render (px)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--allow-cpu", action="store_true", help="run on the CPU (a smoke test with tiny budgets)")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args(argv)
+    args.budgets = sorted(float(b) for b in args.budgets.split(","))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+        import kernels
+
+        if kernels.available():  # compiled (or read from the disk cache) and loaded before any clock runs
+            for prog in kernels.default_programs():
+                prog.load(device)
+    elif args.allow_cpu:
+        device = torch.device("cpu")
+    else:
+        sys.exit("bench_nerf_quality needs a CUDA GPU (--allow-cpu for a CPU smoke test)")
+    results = []
+    for spec in args.poses:
+        name, _, path = spec.rpartition("=")
+        poses = Path(path)
+        name = name or poses.parent.name or poses.name
+        for method in ["nerf", *dict.fromkeys(args.method)]:
+            try:
+                results.append(run_scene(name, poses, method, args, device))
+            except Exception as exc:  # noqa: BLE001 -- a method that cannot be built here is skipped, not fatal
+                if method == "nerf":
+                    raise
+                print(f"{name}: {method} skipped: {type(exc).__name__}: {exc}", flush=True)
+                results.append({"scene": name, "method": method, "error": f"{type(exc).__name__}: {exc}"})
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"\nNeRF quality against training time ({gpu}, torch {torch.__version__})")
+    print(table(results))
+    checks = targets(results)
+    print("\nTargets (issue 17):")
+    for what, verdict in checks:
+        print(f"  {verdict.split(' ')[0]:5s} {what} {verdict[verdict.find('('):]}")
+    if args.json:
+        args.json.write_text(json.dumps({"gpu": gpu, "torch": torch.__version__, "budgets": args.budgets,
+                                         "results": results, "targets": dict(checks)}, indent=2, default=str))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

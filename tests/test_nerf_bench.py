@@ -1,0 +1,43 @@
+"""benchmarks/bench_nerf_quality.py on the CPU with tiny budgets (``--allow-cpu``): the wall-clock
+snapshots, their evaluation and the JSON; the GPU run is the lead's (see the script's docstring)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from test_nerf_background import _poses
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_nerf_quality", ROOT / "benchmarks" / "bench_nerf_quality.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_budgets_snapshot_one_run_and_evaluate_each(tmp_path, capsys):
+    poses = _poses(tmp_path)
+    bench = _bench()
+    tiny = ["nerf.levels=2", "nerf.log2_hashmap_size=10", "nerf.max_resolution=32", "nerf.hidden_dim=16",
+            "nerf.samples_per_ray=32", "nerf.occ_resolution=16", "nerf.target_samples=2048", "batch_rays=64",
+            "nerf.occ_warmup_steps=0"]
+    out = tmp_path / "bench.json"
+    args = ["--allow-cpu", "--poses", f"tiny={poses}", "--budgets", "0.5,1.5", "--json", str(out),
+            "--method", "3dgs", "--set-3dgs", "steps=5", "--render-side", "32", *[a for kv in tiny for a in ("--set", kv)]]
+    assert bench.main(args) == 0
+    doc = json.loads(out.read_text())
+    nerf = next(r for r in doc["results"] if r["method"] == "nerf")
+    rows = nerf["rows"]
+    assert [r["budget"] for r in rows] == [0.5, 1.5] and nerf["stopped"] == "budget"
+    assert rows[0]["time_s"] >= 0.5 and rows[1]["time_s"] >= 1.5 and rows[1]["steps"] >= rows[0]["steps"] >= 1
+    for r in rows:
+        assert 0 < r["psnr"] < 60 and 0 < r["ssim"] <= 1 and r["samples_per_s"] > 0 and r["units_per_s"] > 0
+    assert nerf["render_800"]["size"] == "32x24" and nerf["render_800"]["seconds"] > 0
+    assert nerf["nerf"]["target_samples"] == 2048 and nerf["nerf"]["lr_schedule"] == "ngp"
+    gs = next(r for r in doc["results"] if r["method"] == "3dgs")
+    assert "rows" in gs or "error" in gs  # trained side by side, or skipped with the reason
+    text = capsys.readouterr().out
+    assert "Targets (issue 17)" in text and "tiny: no drop > 0.2 dB" in text
