@@ -140,10 +140,10 @@ def test_early_stop_renders_what_the_dense_renderer_does_with_fewer_samples():
     for density in (1.0, 40.0):  # a faint field (no ray stops) and an opaque one
 
         class Scaled(torch.nn.Module):  # the same field, `density` times as dense
-            aabb = field.aabb
+            aabb, contract = field.aabb, field.contract
 
-            def forward(self, x, d_enc=None):
-                sigma, rgb = field(x, d_enc=d_enc)
+            def forward(self, x, d_enc=None, **kw):
+                sigma, rgb = field(x, d_enc=d_enc, **kw)
                 return sigma * density, rgb
 
             def background_rgb(self):
