@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from stages import cli
+from stages.common.metrics_files import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).parent / "rayforge"
@@ -124,7 +125,7 @@ def test_process_train_eval_through_the_installed_script(tmp_path: Path) -> None
     summary = json.loads((project / "data/reconstruct/summary.json").read_text())
     assert summary["steps"] == 12 and (project / "data/reconstruct/model.pt").is_file()  # the -S value was used
     out = rayforge("eval")
-    ev = json.loads((project / "data/metrics/evaluate.json").read_text())
+    ev = read_metrics(project / "data/metrics/evaluate.json")  # the full record beside the headline
     assert ev["num_test_views"] == 1 and 3.0 < ev["psnr"] < 60.0 and "PSNR" in out
     assert (project / "params.yaml").read_bytes() == params_bytes  # -S never wrote it
     assert not [p.name for p in project.iterdir() if p.name.startswith(".params")]  # its temporary copy is gone

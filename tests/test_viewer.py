@@ -148,7 +148,10 @@ def test_viewer_page_shows_frames_and_follows_a_drag(tiny_model, chromium, tmp_p
         assert np.degrees(np.arccos(np.clip((np.trace(rel) - 1) / 2, -1, 1))) > 5  # viser's orbit turned it
         sizes = [max(f.width, f.height) for f in list(viewer.frames)[n0:]]
         done = sizes.index(96)
-        assert sizes[: done + 1] == sorted(sizes[: done + 1])  # coarse first, refined up to full size
+        # coarse frames while the camera moves, then the full size once it rests. The coarse sizes
+        # follow the measured render rate (moving_size), so on a loaded machine they can shrink
+        # from one frame to the next: only their being there, and smaller, is asserted.
+        assert done >= 1, sizes
         requests = [e["params"]["request"]["url"] for e in browser.events
                     if e.get("method") == "Network.requestWillBeSent"]
         assert requests and all(u.startswith((viewer.url, "data:", "blob:")) for u in requests), \
