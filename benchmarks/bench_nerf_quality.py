@@ -298,6 +298,19 @@ def table(results: list[dict]) -> str:
     return "\n".join([fmt(head), "|" + "|".join("-" * (x + 2) for x in w) + "|"] + [fmt(r) for r in cols[1:]])
 
 
+def report_rows(results: list[dict]) -> list[dict]:
+    """One row per (scene, method, budget) in the layout the report's benchmark appendix reads
+    (``stages.report.read_benchmark``: scene, steps, impl, train_s, psnr, ...)."""
+    out = []
+    for r in results:
+        mem = r.get("peak_memory_bytes")
+        for row in r.get("rows", []):
+            out.append({"scene": r["scene"], "steps": row["steps"], "impl": f"rayforge {r['method']}",
+                        "budget_s": row["budget"], "train_s": row["time_s"], "psnr": row["psnr"], "ssim": row["ssim"],
+                        "worst_view_psnr": row["worst_view_psnr"], "peak_gb": None if mem is None else mem / 1e9})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--poses", action="append", required=True, help="name=poses-stage out (repeatable)")
@@ -349,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {verdict.split(' ')[0]:5s} {what} {verdict[verdict.find('('):]}")
     if args.json:
         args.json.write_text(json.dumps({"gpu": gpu, "torch": torch.__version__, "budgets": args.budgets,
-                                         "results": results, "targets": dict(checks)}, indent=2, default=str))
+                                         "environment": {"gpu": gpu, "torch": torch.__version__},
+                                         "rows": report_rows(results), "results": results,
+                                         "targets": dict(checks)}, indent=2, default=str))
         print(f"wrote {args.json}")
     return 0
 

@@ -13,9 +13,10 @@ import json
 import re
 from pathlib import Path
 
-import jsonschema
 import pytest
 import yaml
+
+jsonschema = pytest.importorskip("jsonschema", reason="the manifests are checked against their JSON schemas")
 
 from stages.common.params import from_dict
 from stages.reconstruct.config import ReconstructParams

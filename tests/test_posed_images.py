@@ -116,7 +116,11 @@ def test_views_pinned_and_moved_to_the_gpu_draw_what_the_cpu_draws():
     assert gpu.pixels.is_cuda and gpu.cameras.fx.is_cuda and gpu.offsets.is_cuda
     oc, dc, rc = RaySampler(v, torch.Generator().manual_seed(0)).sample(8192)
     og, dg, rg = RaySampler(gpu, torch.Generator().manual_seed(0)).sample(8192)
-    assert og.is_cuda and torch.equal(rg.cpu(), rc) and torch.equal(og.cpu(), oc)
+    assert og.is_cuda and torch.equal(og.cpu(), oc)  # origins are gathered, not computed: bit-equal
+    # the same pixels: x / 255 is a division on the CPU and a product with 1/255 in CUDA's
+    # scalar kernel, one ulp apart for some bytes (the H200 run saw it)
+    torch.testing.assert_close(rg.cpu(), rc, rtol=0, atol=1e-7)
+    assert torch.equal((rg * 255).round().cpu(), (rc * 255).round())
     torch.testing.assert_close(dg.cpu(), dc, rtol=0, atol=1e-6)  # float32 matmul and norm on another device
     torch.testing.assert_close(gpu.cameras.K().cpu(), v.cameras.K(), rtol=0, atol=0)
 

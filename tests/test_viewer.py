@@ -143,15 +143,19 @@ def test_viewer_page_shows_frames_and_follows_a_drag(tiny_model, chromium, tmp_p
         h, w = before.shape[:2]
         cam0, n0 = the_camera(viewer), len(viewer.frames)
         drag(browser, session, x0=w // 3, y0=h // 2, dx=w // 5)
-        wait_for("a full-size frame after the drag", lambda: full_frames(viewer, n0))
+        full = viewer.params.max_size
+
+        def coarse_then_full():  # a frame below full size while the camera moved, a full one after it
+            sizes = [max(f.width, f.height) for f in list(viewer.frames)[n0:]]
+            coarse = [i for i, s in enumerate(sizes) if s < full]
+            return sizes if coarse and full in sizes[coarse[-1] + 1:] else None
+
+        # The coarse sizes follow the measured render rate (moving_size), so on a loaded machine
+        # they can shrink from one frame to the next, and a frame or two of the view at rest
+        # may still arrive after the drag began: only "coarse while moving, full at rest" is asserted.
+        wait_for("coarse frames while the camera moves, then a full-size one", coarse_then_full)
         rel = cam0.c2w[:3, :3].T @ the_camera(viewer).c2w[:3, :3]
         assert np.degrees(np.arccos(np.clip((np.trace(rel) - 1) / 2, -1, 1))) > 5  # viser's orbit turned it
-        sizes = [max(f.width, f.height) for f in list(viewer.frames)[n0:]]
-        done = sizes.index(96)
-        # coarse frames while the camera moves, then the full size once it rests. The coarse sizes
-        # follow the measured render rate (moving_size), so on a loaded machine they can shrink
-        # from one frame to the next: only their being there, and smaller, is asserted.
-        assert done >= 1, sizes
         requests = [e["params"]["request"]["url"] for e in browser.events
                     if e.get("method") == "Network.requestWillBeSent"]
         assert requests and all(u.startswith((viewer.url, "data:", "blob:")) for u in requests), \

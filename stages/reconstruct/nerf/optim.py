@@ -36,7 +36,7 @@ class TableAdam(torch.optim.Optimizer):
     gradient is exactly 0 are left alone (no step, no moment decay), and each entry's bias
     correction counts its own steps (:func:`kernels.sparse_adam_step`: one CUDA launch on a GPU).
 
-    Like torch's fused Adam it reads a ``found_inf`` attribute (a [1] float tensor on the device,
+    Like torch's fused Adam it reads a ``found_inf`` attribute (a one-element float tensor on the device,
     set by :func:`stages.reconstruct.methods.step_optimizers`): when it is non-zero nothing moves,
     without a host sync. No weight decay (instant-ngp puts none on the table).
     """
