@@ -363,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"gpu": gpu, "torch": torch.__version__, "budgets": args.budgets,
                                          "environment": {"gpu": gpu, "torch": torch.__version__},
+                                         "protocol": "in one run per scene (bench_nerf_quality.py): the model "
+                                                     "snapshotted as its training clock passed each budget; 'train s' "
+                                                     "is that budget's training time, every test view scored.",
                                          "rows": report_rows(results), "results": results,
                                          "targets": dict(checks)}, indent=2, default=str))
         print(f"wrote {args.json}")

@@ -209,7 +209,8 @@ def read_benchmark(path: str | Path) -> dict:
     if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and all(k in r for k in need)
                                                          for r in rows):
         raise ValueError(f"{path}: expected {{\"environment\", \"rows\": [{{{', '.join(need)}, ...}}]}}")
-    return {"source": path.as_posix(), "environment": doc.get("environment") or {}, "rows": rows}
+    return {"source": path.as_posix(), "environment": doc.get("environment") or {}, "rows": rows,
+            "protocol": doc.get("protocol") if isinstance(doc.get("protocol"), str) else None}
 
 
 def benchmark_rows(rows: list[dict]) -> list[list[str]]:
@@ -723,11 +724,14 @@ def run(
         doc.details(name, ["key", "value"], rows, "all")
     for bench in bench_docs:
         env_b = bench["environment"]
-        doc.h2("Appendix: " + ", ".join(dict.fromkeys(str(r.get("impl")) for r in bench["rows"]))
-               + " side by side")
-        doc.para(f"Not this run: {bench['source']}, measured in one run on {env_b.get('gpu', 'n/a')} (torch "
+        impls = list(dict.fromkeys(str(r.get("impl")) for r in bench["rows"]))
+        doc.h2("Appendix: " + ", ".join(impls) + (" side by side" if len(impls) > 1 else ""))
+        where = env_b.get("gpu") or env_b.get("machine") or "n/a"
+        # the file says how its rows were made ("protocol"); else the side-by-side benchmark's wording
+        how = bench.get("protocol") or "on the same images, poses, split, starting Gaussians and metric code."
+        doc.para(f"Not this run: {bench['source']}, measured on {where} (torch "
                  f"{env_b.get('torch', 'n/a')}{', gsplat ' + str(env_b['gsplat']) if env_b.get('gsplat') else ''}) "
-                 "on the same images, poses, split, starting Gaussians and metric code.", em=True)
+                 + how, em=True)
         headers = [h for h, _, _ in BENCH_COLUMNS]
         doc.table(headers[:4] + ["time vs peer"] + headers[4:], benchmark_rows(bench["rows"]), "benchmark")
     if elsewhere:
