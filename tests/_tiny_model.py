@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 # A hash grid of 2 levels x 1024 rows and MLPs of width 8 (as tests/test_distributed.py): a few ms a step.
 TRAIN = {"device": "cpu", "steps": 20, "batch_rays": 256, "eval_every": 10, "tensorboard": False,
@@ -20,8 +19,9 @@ def make_poses(root: Path, width: int = 64, height: int = 48, views: int = 8) ->
     """``root/poses``: a poses-stage folder from the scene generator's ground truth, plus a
     ``points3D.ply`` of 200 random coloured points in the scene box (what the viewer shows)."""
     from stages.poses import write_ply
-    pytest.importorskip("open3d", reason="the synthetic scene (stages/scene.py) ray-casts with open3d, "
-                                          "which this machine lacks")
+    from conftest import import_or_skip_on_gpu_host
+
+    import_or_skip_on_gpu_host("open3d", "the synthetic scene (stages/scene.py) ray-casts with it")
     from stages.scene import SceneParams, poses_from_ground_truth, run as scene_run
 
     scene_run(SceneParams(width=width, height=height, views=views, rings=1, objects=3), root / "scene", 0)

@@ -42,8 +42,9 @@ TINY = {
 
 def make_poses(root: Path, width: int = 64, height: int = 48, views: int = 8) -> Path:
     """A poses-stage folder from the scene generator's ground truth (no SfM)."""
-    pytest.importorskip("open3d", reason="the synthetic scene (stages/scene.py) ray-casts with open3d, "
-                                          "which this machine lacks")
+    from conftest import import_or_skip_on_gpu_host
+
+    import_or_skip_on_gpu_host("open3d", "the synthetic scene (stages/scene.py) ray-casts with it")
     from stages.scene import SceneParams, poses_from_ground_truth, run as scene_run
 
     scene_run(SceneParams(width=width, height=height, views=views, rings=1, objects=3), root / "scene", 0)

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-jsonschema = pytest.importorskip("jsonschema", reason="the manifests are checked against their JSON schemas")
+from conftest import import_or_skip_on_gpu_host  # noqa: E402
+
+jsonschema = import_or_skip_on_gpu_host("jsonschema", "the manifests are checked against their JSON schemas")
 
 from stages.common.params import from_dict
 from stages.reconstruct.config import ReconstructParams
