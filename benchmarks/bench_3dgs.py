@@ -49,7 +49,9 @@ SEED = 0
 
 def our_params(steps: int, over: dict | None = None) -> ReconstructParams:
     d = {"method": "3dgs", "device": "cuda", "steps": steps, "eval_every": 10**9, "tensorboard": False,
-         "distributed": {"gpus": 1, "checkpoint_every": 0, "replica_check_every": 0}, "gs": over or {}}
+         "distributed": {"gpus": 1, "checkpoint_every": 0, "replica_check_every": 0},
+         # black behind RGB views, as gsplat's loop renders them (the pipeline's default learns a colour)
+         "gs": {"learn_background": "off", **(over or {})}}
     return from_dict(ReconstructParams, d, "reconstruct")
 
 

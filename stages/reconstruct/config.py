@@ -191,6 +191,11 @@ class GaussianParams:
     # images with alpha train on a random background colour each step (a fixed one lets
     # Gaussians paint it); "auto": when the images have alpha
     random_background: Literal["auto", "on", "off"] | bool = "auto"
+    # views without alpha: a colour learned behind the Gaussians ("auto"), so a plain sky or wall
+    # need not be painted by Gaussians that then float in front of other views; "off": black, as
+    # the reference. Partitioned runs keep black (the colour's gradient would need its own reduce)
+    learn_background: Literal["auto", "off"] | bool = "auto"
+    background_lr: float = 0.01  # Adam's rate for that colour, in logit space
     antialiased: bool = False
     eps2d: float = 0.3
     near: float = 0.01
@@ -214,6 +219,9 @@ class GaussianParams:
               self.means_lr_final)
         check(0 <= self.ssim_lambda <= 1, "ssim_lambda", "must be in [0, 1]", self.ssim_lambda)
         switch(self, "random_background")
+        if isinstance(self.learn_background, bool):  # YAML 1.1 reads a bare on/off as a bool
+            self.learn_background = "auto" if self.learn_background else "off"
+        check(self.background_lr > 0, "background_lr", "must be > 0", self.background_lr)
         check(self.eps2d >= 0, "eps2d", "must be >= 0", self.eps2d)
         check(0 < self.near < self.far, "near", "must be > 0 and < far", self.near)
 

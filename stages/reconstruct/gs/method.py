@@ -109,6 +109,17 @@ class GaussianMethod:
             # gsplat and Grendel-GS: lr x sqrt(views per step), eps / sqrt(views); the loop adds x sqrt(ranks)
             lr_scale=math.sqrt(cfg.batch_views), eps=1e-15 / math.sqrt(cfg.batch_views),
             fused=device.type == "cuda")
+        # Views without alpha and no known colour: the background is learned (a logit per channel,
+        # its own Adam under the name "background"; not one of the fused six, not densified)
+        self.bg_logit: torch.nn.Parameter | None = None
+        alpha = scene is not None and scene.train.channels == 4
+        if (scene is not None and self.background is None and not alpha and cfg.learn_background == "auto"
+                and params.distributed.mode != "partitioned"):
+            self.bg_logit = torch.nn.Parameter(torch.zeros(3, device=device))
+            lr = cfg.background_lr * math.sqrt(cfg.batch_views)
+            self.optimizers["background"] = torch.optim.Adam(
+                [{"params": [self.bg_logit], "lr": lr, "initial_lr": lr, "name": "background"}],
+                eps=1e-15 / math.sqrt(cfg.batch_views), fused=device.type == "cuda")
         gamma = (cfg.means_lr_final / cfg.means_lr) ** (1.0 / max(1, params.steps))
         self.schedulers = {"means": torch.optim.lr_scheduler.ExponentialLR(self.optimizers["means"], gamma)}
         self.densify = DensifyStrategy(cfg.densify)
@@ -127,7 +138,16 @@ class GaussianMethod:
         return sum(p.numel() for p in self.gaussians.values())
 
     def parameters(self) -> list[torch.nn.Parameter]:
-        return [self.gaussians[k] for k in NAMES]
+        out = [self.gaussians[k] for k in NAMES]
+        return out if self.bg_logit is None else out + [self.bg_logit]
+
+    def background_rgb(self, learning: bool = False) -> torch.Tensor:
+        """The colour [3] behind the Gaussians: the learned one (with its gradient when ``learning``),
+        the known one of the images, or black."""
+        if self.bg_logit is not None:
+            bg = torch.sigmoid(self.bg_logit)
+            return bg if learning else bg.detach()
+        return self.background if self.background is not None else torch.zeros(3, device=self.device)
 
     def batch_size(self) -> int:
         return self.cfg.batch_views
@@ -189,7 +209,7 @@ class GaussianMethod:
             if img.shape[-1] == 4 and self._random_bg():
                 bg = torch.rand(3, generator=generator, device=generator.device).to(self.device)
             else:
-                bg = self.background if self.background is not None else torch.zeros(3, device=self.device)
+                bg = self.background_rgb(learning=True)
             if img.shape[-1] == 4:
                 a = img[..., 3:]
                 gt = gt * a + bg * (1.0 - a)
@@ -218,7 +238,9 @@ class GaussianMethod:
             return
         from kernels.adam import step_adams
 
-        step_adams(self.optimizers, skip)
+        step_adams({k: self.optimizers[k] for k in NAMES}, skip)
+        if self.bg_logit is not None:  # torch's fused Adam reads the flag on the device too
+            step_optimizers({"background": self.optimizers["background"]}, {}, skip)
         for s in self.schedulers.values():
             s.step()
 
@@ -249,7 +271,7 @@ class GaussianMethod:
         i = int(torch.randint(0, len(views), (1,), generator=generator, device=generator.device))
         img = views.image(i).to(self.device).float() / 255.0
         gt = img[..., :3]
-        bg = self.background if self.background is not None else torch.zeros(3, device=self.device)
+        bg = self.background_rgb()
         if img.shape[-1] == 4:
             gt = gt * img[..., 3:] + bg * (1.0 - img[..., 3:])
         pred = self.render_image(views.intr(i), views.c2w[i].float())
@@ -260,7 +282,7 @@ class GaussianMethod:
         """``rgb`` [H, W, 3] in [0, 1] (onto the scene's background, or black), ``depth`` [H, W] (the
         blending weights' sum of camera-space depths, not divided by the opacity, as the NeRF's) and
         ``alpha`` [H, W] (opacity), on the method's device."""
-        bg = self.background if self.background is not None else torch.zeros(3, device=self.device)
+        bg = self.background_rgb()
         render, alpha, _ = self._render(_viewmats(c2w.to(self.device).float()[None]), _K(intr, self.device)[None],
                                         intr.width, intr.height, self.cfg.sh_degree, bg[None], render_mode="RGB+D")
         return {"rgb": render[0, ..., :3].clamp(0.0, 1.0), "depth": render[0, ..., 3], "alpha": alpha[0, ..., 0]}
@@ -268,15 +290,21 @@ class GaussianMethod:
     @torch.no_grad()
     def render_image(self, intr: Intrinsics, c2w: torch.Tensor, chunk: int = 0) -> torch.Tensor:
         """[H, W, 3] float32 in [0, 1] on the method's device (onto the scene's background, or black)."""
-        bg = self.background if self.background is not None else torch.zeros(3, device=self.device)
+        bg = self.background_rgb()
         render, _, _ = self._render(_viewmats(c2w.to(self.device).float()[None]), _K(intr, self.device)[None],
                                     intr.width, intr.height, self.cfg.sh_degree, bg[None])
         return render[0].clamp(0.0, 1.0)
 
     def state_dict(self) -> dict:
-        bg = self.background if self.background is not None else torch.full((3,), -1.0, device=self.device)
-        return {"params": {k: self.gaussians[k].detach() for k in NAMES}, "sh_degree": self.cfg.sh_degree,
-                "version": self.VERSION, "extent": torch.tensor(self.extent), "background": bg}
+        if self.bg_logit is not None or self.background is not None:
+            bg = self.background_rgb()
+        else:
+            bg = torch.full((3,), -1.0, device=self.device)
+        state = {"params": {k: self.gaussians[k].detach() for k in NAMES}, "sh_degree": self.cfg.sh_degree,
+                 "version": self.VERSION, "extent": torch.tensor(self.extent), "background": bg}
+        if self.bg_logit is not None:
+            state["background_logit"] = self.bg_logit.detach()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         params = state["params"]
@@ -290,8 +318,13 @@ class GaussianMethod:
             opt.param_groups[0]["params"] = [p]
             opt.state.clear()
         self.extent = float(state.get("extent", torch.tensor(self.extent)))
+        logit = state.get("background_logit")
+        if self.bg_logit is not None and logit is not None:  # a resumed run goes on learning it
+            with torch.no_grad():
+                self.bg_logit.copy_(logit.to(self.device))
+            return
         bg = state.get("background")
-        if bg is not None and float(bg.min()) >= 0:  # -1: none (black)
+        if bg is not None and float(bg.min()) >= 0:  # -1: none (black); else the colour (known or learned)
             self.background = bg.to(self.device).float()
 
     def local_state(self) -> dict:
@@ -307,8 +340,9 @@ class GaussianMethod:
         self.densify.load_state_dict(st)
 
     def summary(self) -> dict:
+        bg = None if self.bg_logit is None else [round(float(v), 4) for v in self.background_rgb()]
         return {"kernels": self.use_kernels, "num_gaussians": self.n, "sh_degree": self.cfg.sh_degree,
-                "densify": self.densify_log[-50:]}
+                "learned_background": bg, "densify": self.densify_log[-50:]}
 
     _step = 0
     _shared: torch.Generator | None = None
