@@ -213,11 +213,19 @@ def read_benchmark(path: str | Path) -> dict:
             "protocol": doc.get("protocol") if isinstance(doc.get("protocol"), str) else None}
 
 
+def _decimals(value, nd: int) -> int:
+    """``nd``, or 2 for a value under 1 that ``nd`` decimals would print as 0 (a CPU's 0.06 views/s)."""
+    if nd == 0 and isinstance(value, (int, float)) and 0 < abs(value) < 1:
+        return 2
+    return nd
+
+
 def benchmark_rows(rows: list[dict]) -> list[list[str]]:
     """Table rows, with each implementation's training time against the peer's of the same scene and steps."""
     out = []
     for r in rows:
-        cells = [fmt(r.get(key), nd) if nd is not None else fmt(r.get(key)) for _, key, nd in BENCH_COLUMNS]
+        cells = [fmt(r.get(key), _decimals(r.get(key), nd)) if nd is not None else fmt(r.get(key))
+                 for _, key, nd in BENCH_COLUMNS]
         peer = next((x for x in rows if x is not r and x.get("scene") == r.get("scene")
                      and x.get("steps") == r.get("steps") and x.get("impl") != r.get("impl")), None)
         ratio = (r["train_s"] / peer["train_s"]) if peer and peer.get("train_s") else None

@@ -417,6 +417,9 @@ def test_method_benchmarks_read_and_compare_to_their_peer(tmp_path):
     table = benchmark_rows(doc["rows"])
     assert table[0][:5] == ["lego", "7,000", "rayforge", "30.0", "0.75x gsplat's"]
     assert table[1][4] == "1.33x rayforge's" and table[1][5] == "24.50"
+    assert table[0][-1] == "381"  # FPS without decimals...
+    slow = dict(rows[0], fps=0.061)
+    assert benchmark_rows([slow])[0][-1] == "0.06"  # ...unless that would print a CPU's 0.06 views/s as 0
     assert doc["protocol"] is None  # the report then uses the side-by-side wording
     path.write_text(json.dumps({"environment": {}, "rows": rows, "protocol": "snapshots at wall-clock budgets"}))
     assert read_benchmark(path)["protocol"] == "snapshots at wall-clock budgets"
