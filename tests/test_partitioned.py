@@ -397,6 +397,10 @@ def test_shard_checkpoints_resume_on_the_same_or_another_world_size(poses, tmp_p
     assert names == ["step_00000010.json", "step_00000010.pt", "step_00000010.shard000of002.pt",
                      "step_00000010.shard001of002.pt", "step_00000020.json", "step_00000020.pt",
                      "step_00000020.shard000of002.pt", "step_00000020.shard001of002.pt"]
+    manifest = torch.load(folder / "step_00000020.pt", weights_only=False)
+    kept = manifest["optimizers"]["background"]["scalars"]  # the replicated learned background's Adam, whole
+    assert kept["exp_avg"].shape == kept["exp_avg_sq"].shape == (3,)
+    assert manifest["state"]["background_logit"].shape == (3,)
     broken = tmp_path / "broken"
     shutil.copytree(folder, broken)
     shard = broken / "step_00000020.shard001of002.pt"

@@ -193,7 +193,7 @@ class GaussianParams:
     random_background: Literal["auto", "on", "off"] | bool = "auto"
     # views without alpha: a colour learned behind the Gaussians ("auto"), so a plain sky or wall
     # need not be painted by Gaussians that then float in front of other views; "off": black, as
-    # the reference. Partitioned runs keep black (the colour's gradient would need its own reduce)
+    # the reference (partitioned runs sum its gradient over the ranks' tiles)
     learn_background: Literal["auto", "off"] | bool = "auto"
     background_lr: float = 0.01  # Adam's rate for that colour, in logit space
     antialiased: bool = False

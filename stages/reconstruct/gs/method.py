@@ -113,8 +113,7 @@ class GaussianMethod:
         # its own Adam under the name "background"; not one of the fused six, not densified)
         self.bg_logit: torch.nn.Parameter | None = None
         alpha = scene is not None and scene.train.channels == 4
-        if (scene is not None and self.background is None and not alpha and cfg.learn_background == "auto"
-                and params.distributed.mode != "partitioned"):
+        if scene is not None and self.background is None and not alpha and cfg.learn_background == "auto":
             self.bg_logit = torch.nn.Parameter(torch.zeros(3, device=device))
             lr = cfg.background_lr * math.sqrt(cfg.batch_views)
             self.optimizers["background"] = torch.optim.Adam(
