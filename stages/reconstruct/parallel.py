@@ -230,7 +230,7 @@ class Partitioned:
         m, ctx = self.method, self.ctx
         world = ctx.world_size
         grads = [p.grad for p in m.parameters() if p.grad is not None]
-        bg = getattr(m, "bg_logit", None)
+        bg = m.bg_logit
         if ctx.active and bg is not None and bg.grad is not None:
             # the learned background is replicated: each rank's gradient is its own tiles' part of it
             dist.all_reduce(bg.grad)
@@ -302,7 +302,7 @@ class Partitioned:
         named = [("extent", torch.tensor(float(method.extent), dtype=torch.float64, device=dev))]
         if method.background is not None:
             named.append(("background", method.background))
-        if getattr(method, "bg_logit", None) is not None:
+        if method.bg_logit is not None:
             named.append(("background_logit", method.bg_logit.detach()))
         for n, opt in method.optimizers.items():
             named.append((f"lr.{n}", torch.tensor(opt.param_groups[0]["lr"], dtype=torch.float64, device=dev)))
@@ -325,15 +325,13 @@ class Partitioned:
         shards = all_gather_objects(ctx, info)  # also: every shard is on disk before the manifest
         if not ctx.is_main:
             return
-        from .gs.model import PARAM_NAMES
-
         optimizers = {}
         for n, opt in method.optimizers.items():
             p = opt.param_groups[0]["params"][0]
-            # a sharded parameter's moments are rows of its shards; a replicated one's (the learned
+            # a Gaussian parameter's moments are rows of its shards; a replicated one's (the learned
             # background) are kept whole here
             scalars = {k: v for k, v in opt.state.get(p, {}).items()
-                       if n not in PARAM_NAMES or not (isinstance(v, torch.Tensor) and v.shape == p.shape)}
+                       if n not in method.gaussians or not (isinstance(v, torch.Tensor) and v.shape == p.shape)}
             optimizers[n] = {"param_groups": opt.state_dict()["param_groups"], "scalars": scalars}
         state = {k: v for k, v in method.state_dict().items() if k != "params"}
         store.save({**head, "state": state, "optimizers": optimizers, "schedulers": all_scheduler_state(method),

@@ -4,9 +4,10 @@
   PSNR of the result is within 0.3 dB of an uninterrupted run with the same seed (on the CPU it is
   the same model bit for bit, so the difference is 0).
 * ``dvc repro`` interrupted mid-stage: Ctrl-C (SIGINT to the whole foreground group, as a terminal
-  sends it; under bash, which execs the stage, and under dash, which forks) and SIGKILL of dvc alone (through ``/bin/sh -c``, which forks). Each time: one line from
-  the stage, no traceback, no out left half-written or looking complete, no process left; another
-  scene's poses are then refused through DVC too, and the final rerun completes from the checkpoint.
+  sends it; under bash, which execs the stage, and under dash, which forks) and SIGKILL of dvc
+  alone (through ``/bin/sh -c``, which forks). Each time: one line from the stage, no traceback,
+  no out left half-written or looking complete, no process left; another scene's poses are then
+  refused through DVC too, and the final rerun completes from the checkpoint.
 """
 from __future__ import annotations
 
@@ -114,9 +115,9 @@ def _no_half_outs(root: Path) -> None:
     assert temporaries(data) == [], temporaries(data)
 
 
-def _ctrl_c(root: Path, log: Path, shell: str, after: int) -> tuple[int, str, int]:
+def _ctrl_c(root: Path, log: Path, shell: str, after: int) -> tuple[str, int]:
     """``dvc repro`` under ``SHELL=shell``, Ctrl-C (SIGINT to its group) once a checkpoint newer than
-    ``after`` is there; returns dvc's status, the stage's interrupt line and the newest checkpoint."""
+    ``after`` is there; returns dvc's output and the newest checkpoint's step."""
     ckpt = root / "data" / "reconstruct.ckpt"
     proc = _dvc(root, log, SHELL=shell)
     try:
@@ -134,7 +135,7 @@ def _ctrl_c(root: Path, log: Path, shell: str, after: int) -> tuple[int, str, in
     k = max(checkpoint_steps(ckpt))
     assert line.endswith(f"rerun to resume from the checkpoint of step {k}"), line
     _no_half_outs(root)
-    return rc, text, k
+    return text, k
 
 
 def test_dvc_repro_interrupted_by_ctrl_c_and_by_sigkill_then_rerun(tiny_poses, other_poses, tmp_path, reliability):
@@ -146,10 +147,11 @@ def test_dvc_repro_interrupted_by_ctrl_c_and_by_sigkill_then_rerun(tiny_poses, o
     # stage's own status; dash forks, and the same SIGINT kills dash itself (-2) while the stage stops
     # cleanly below it, as it does in a terminal. CI has no SHELL (DVC then takes /bin/sh, dash), so
     # both shells are named here rather than taken from the environment.
-    rc, text, k = _ctrl_c(root, tmp_path / "int-bash.log", "/bin/bash", 0)
+    text, k = _ctrl_c(root, tmp_path / "int-bash.log", "/bin/bash", 0)
     assert "exited with 130" in text, text[-2000:]  # the stage's status, as DVC reports it
-    said = re.sub(r"step \d+;", "step N;", last_line(text, "reconstruct: interrupted")).replace(f"step {k}", "step K")
-    rc, text, k = _ctrl_c(root, tmp_path / "int-sh.log", "/bin/sh", k)
+    line = last_line(text, "reconstruct: interrupted")
+    said = re.sub(r"step \d+;", "step N;", line).replace(f"step {k}", "step K")  # K: the newest checkpoint
+    text, k = _ctrl_c(root, tmp_path / "int-sh.log", "/bin/sh", k)
     assert "exited with -2" in text, text[-2000:]  # dash's own death by the same SIGINT
     reliability("fault: dvc repro interrupted", "Ctrl-C (SIGINT to the group) during `dvc repro` training",
                 "one line, no traceback; no out looking complete; no process left",

@@ -112,8 +112,8 @@ class GaussianMethod:
         # Views without alpha and no known colour: the background is learned (a logit per channel,
         # its own Adam under the name "background"; not one of the fused six, not densified)
         self.bg_logit: torch.nn.Parameter | None = None
-        alpha = scene is not None and scene.train.channels == 4
-        if scene is not None and self.background is None and not alpha and cfg.learn_background == "auto":
+        if (scene is not None and scene.train.channels == 3 and self.background is None
+                and cfg.learn_background == "auto"):
             self.bg_logit = torch.nn.Parameter(torch.zeros(3, device=device))
             lr = cfg.background_lr * math.sqrt(cfg.batch_views)
             self.optimizers["background"] = torch.optim.Adam(
@@ -317,13 +317,11 @@ class GaussianMethod:
             opt.param_groups[0]["params"] = [p]
             opt.state.clear()
         self.extent = float(state.get("extent", torch.tensor(self.extent)))
-        logit = state.get("background_logit")
+        logit, bg = state.get("background_logit"), state.get("background")
         if self.bg_logit is not None and logit is not None:  # a resumed run goes on learning it
             with torch.no_grad():
                 self.bg_logit.copy_(logit.to(self.device))
-            return
-        bg = state.get("background")
-        if bg is not None and float(bg.min()) >= 0:  # -1: none (black); else the colour (known or learned)
+        elif bg is not None and float(bg.min()) >= 0:  # -1: none (black); else the colour (known or learned)
             self.background = bg.to(self.device).float()
 
     def local_state(self) -> dict:
