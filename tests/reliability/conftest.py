@@ -4,8 +4,8 @@ A test declares its case with ``@pytest.mark.reliability(area, case, expected)``
 test still shows up, with its reason) and/or records cases as it goes through the ``reliability``
 fixture: ``reliability(area, case, expected, observed)``. A case is "ok" when its test passed,
 "FAILED" when it failed, "skipped (reason)" when it was skipped. When every test of this folder ran
-(nothing deselected, no early stop), the table is written to ``docs/reliability.md`` (or to
-``$RAYFORGE_RELIABILITY_TABLE``; ``0`` turns it off). The table holds no timings or dates, so a
+(every file collected, nothing deselected or picked by node id, no early stop), the table is
+written to ``docs/reliability.md`` (or to ``$RAYFORGE_RELIABILITY_TABLE``; ``0`` turns it off). The table holds no timings or dates, so a
 rerun that sees the same behaviour writes the same file.
 
 Shared fixtures: ``tiny_poses`` / ``other_poses`` (two small generated scenes, no SfM).
@@ -89,7 +89,12 @@ def _rows_of(item: pytest.Item) -> list[dict]:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     items = [it for it in session.items if _ours(it)]
     where = os.environ.get("RAYFORGE_RELIABILITY_TABLE", str(TABLE))
-    complete = items and _state["deselected"] == 0 and all("_reliability_result" in it.__dict__ for it in items)
+    # the whole folder: every test file collected, no test chosen by node id (file.py::test_x)
+    # or deselected (-k, -m), and every test run to the end
+    collected = {Path(str(it.fspath)).resolve() for it in items}
+    whole = set(HERE.glob("test_*.py")) <= collected and not any("::" in str(a) for a in session.config.args)
+    complete = (items and whole and _state["deselected"] == 0
+                and all("_reliability_result" in it.__dict__ for it in items))
     if where == "0" or not complete:
         return
     Path(where).write_text(render([row for it in items for row in _rows_of(it)]))
