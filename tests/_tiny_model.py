@@ -19,17 +19,22 @@ def make_poses(root: Path, width: int = 64, height: int = 48, views: int = 8) ->
     """``root/poses``: a poses-stage folder from the scene generator's ground truth, plus a
     ``points3D.ply`` of 200 random coloured points in the scene box (what the viewer shows)."""
     from stages.poses import write_ply
-    from conftest import import_or_skip_on_gpu_host
+    from conftest import generated_scene
+    from stages.scene import poses_from_ground_truth
 
-    import_or_skip_on_gpu_host("open3d", "the synthetic scene (stages/scene.py) ray-casts with it")
-    from stages.scene import SceneParams, poses_from_ground_truth, run as scene_run
-
-    scene_run(SceneParams(width=width, height=height, views=views, rings=1, objects=3), root / "scene", 0)
+    generated_scene(root, width, height, views)
     poses = poses_from_ground_truth(root / "scene" / "images", root / "poses")
     box = np.array(json.loads((poses / "transforms.json").read_text())["aabb"])
     rng = np.random.default_rng(0)
     pts = box[0] + rng.random((200, 3)) * (box[1] - box[0])
-    write_ply(poses / "points3D.ply", pts, rng.integers(0, 256, (200, 3)))
+    rgb = rng.integers(0, 256, (200, 3))
+    try:
+        write_ply(poses / "points3D.ply", pts, rgb)  # the poses stage's writer (open3d)
+    except ImportError:  # the GPU machine has no open3d: the same points as an ASCII PLY
+        rows = "".join(f"{x:.6f} {y:.6f} {z:.6f} {r} {g} {b}\n" for (x, y, z), (r, g, b) in zip(pts, rgb))
+        (poses / "points3D.ply").write_text(
+            "ply\nformat ascii 1.0\nelement vertex 200\nproperty float x\nproperty float y\nproperty float z\n"
+            "property uchar red\nproperty uchar green\nproperty uchar blue\nend_header\n" + rows)
     return poses
 
 

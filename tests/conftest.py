@@ -21,6 +21,32 @@ def import_or_skip_on_gpu_host(name: str, reason: str):
             raise
         pytest.skip(f"{name} is not installed here: {reason}", allow_module_level=True)
 
+
+def generated_scene(root: Path, width: int, height: int, views: int, objects: int = 3) -> Path:
+    """``root/scene``: the default scene generator's images and ground truth (stages/scene.py) at this
+    size, one ring of cameras. The generator ray-casts with open3d, which the lent GPU machine lacks:
+    with ``RAYFORGE_SCENE_CACHE=<dir>`` a scene generated here is also stored there, and where open3d
+    is missing a stored one is copied instead (the cache travels to the GPU machine with the call)."""
+    import os
+    import shutil
+
+    cache = os.environ.get("RAYFORGE_SCENE_CACHE")
+    stored = Path(cache) / f"{width}x{height}x{views}o{objects}" if cache else None
+    out = root / "scene"
+    try:
+        importlib.import_module("open3d")
+    except ImportError:
+        if stored is not None and (stored / "images").is_dir():
+            shutil.copytree(stored, out)
+            return out
+    import_or_skip_on_gpu_host("open3d", "the synthetic scene (stages/scene.py) ray-casts with it")
+    from stages.scene import SceneParams, run as scene_run
+
+    scene_run(SceneParams(width=width, height=height, views=views, rings=1, objects=objects), out, 0)
+    if stored is not None and not stored.exists():
+        shutil.copytree(out, stored)
+    return out
+
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 

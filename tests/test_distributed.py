@@ -42,12 +42,10 @@ TINY = {
 
 def make_poses(root: Path, width: int = 64, height: int = 48, views: int = 8) -> Path:
     """A poses-stage folder from the scene generator's ground truth (no SfM)."""
-    from conftest import import_or_skip_on_gpu_host
+    from conftest import generated_scene
+    from stages.scene import poses_from_ground_truth
 
-    import_or_skip_on_gpu_host("open3d", "the synthetic scene (stages/scene.py) ray-casts with it")
-    from stages.scene import SceneParams, poses_from_ground_truth, run as scene_run
-
-    scene_run(SceneParams(width=width, height=height, views=views, rings=1, objects=3), root / "scene", 0)
+    generated_scene(root, width, height, views)
     return poses_from_ground_truth(root / "scene" / "images", root / "poses")
 
 
