@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -269,7 +270,19 @@ class _Link:
         self.active, self.send, self.recv, self.rank, self.counters = group_active, send, recv, rank, counters
         self.index, self.n_local, self.colours, self.absgrad = index, n_local, colours, absgrad
         self.owner_means2d, self.record, self.clock = owner_means2d, record, clock
-        self.received_means2d = None  # the rasterizer's means2d input (its .absgrad after backward)
+        # the rasterizer's means2d input (its .absgrad after backward), held weakly: the tensor is
+        # downstream of the exchange's autograd node, whose ctx holds this link, and a strong
+        # reference would close a cycle through C++ autograd that the garbage collector cannot free
+        # (every training render leaked its graph). The rasterizer saves it until the backward.
+        self._received_means2d = None
+
+    @property
+    def received_means2d(self):
+        return None if self._received_means2d is None else self._received_means2d()
+
+    @received_means2d.setter
+    def received_means2d(self, tensor) -> None:
+        self._received_means2d = None if tensor is None else weakref.ref(tensor)
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         if not self.active:
