@@ -116,7 +116,7 @@ def _K(intr, device) -> torch.Tensor:
     return torch.tensor([[intr.fx, 0.0, intr.cx], [0.0, intr.fy, intr.cy], [0.0, 0.0, 1.0]], device=device)
 
 
-def run_gsplat(scene, steps: int, device) -> dict:
+def run_gsplat(scene, steps: int, device, over: dict | None = None) -> dict:
     """gsplat's library in a loop after its examples/simple_trainer.py, with our shared pieces."""
     import gsplat
     from gsplat.strategy import DefaultStrategy
@@ -126,7 +126,7 @@ def run_gsplat(scene, steps: int, device) -> dict:
     from stages.reconstruct.gs.model import init_gaussians, scene_extent
     from stages.reconstruct.train import seeded_generator
 
-    cfg = our_params(steps).gs
+    cfg = our_params(steps, over).gs  # the --set values too: the same initialisation and rates
     torch.manual_seed(SEED * 1_000_003)  # what the pipeline's loop seeds before building the method
     g0 = torch.Generator().manual_seed(torch.initial_seed())
     pts = None if scene.points is None else scene.points.to(device)
@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_3dgs: needs a CUDA GPU", file=sys.stderr)
         return 2
     device = torch.device("cuda", 0)
+    torch.zeros(1, device=device)  # a CUDA context before the memory-statistics calls (--only rayforge has no warm-up)
     over = {}
     for kv in args.set:
         k, _, v = kv.partition("=")
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                 sides.append("gsplat")
             for impl in sides:
                 ply = None if args.save_ply is None else args.save_ply / f"{name}_{steps}.ply"
-                row = run_ours(scene, steps, device, over, ply) if impl == "rayforge" else run_gsplat(scene, steps, device)
+                row = run_ours(scene, steps, device, over, ply) if impl == "rayforge" else run_gsplat(scene, steps, device, over)
                 row.update(scene=name, steps=steps)
                 rows.append(row)
                 print(f"   {impl:8s} {steps:6d} steps: {row['train_s']:7.1f} s, PSNR {row['psnr']:.2f}, SSIM "
