@@ -238,6 +238,10 @@ class GaussianMethod:
         from kernels.adam import step_adams
 
         step_adams({k: self.optimizers[k] for k in NAMES}, skip)
+        # the launch stepped them without optimizer.step(): tell the schedulers' call-order check
+        # (torch warned "lr_scheduler.step() before optimizer.step()" on every GPU run)
+        for k in self.schedulers:
+            self.optimizers[k]._opt_called = True
         if self.bg_logit is not None:  # torch's fused Adam reads the flag on the device too
             step_optimizers({"background": self.optimizers["background"]}, {}, skip)
         for s in self.schedulers.values():
