@@ -18,6 +18,11 @@ in both loops keeps the comparison about the rasterizer, the densification and t
   in a loop written after gsplat's ``examples/simple_trainer.py`` (its library as users call it;
   Adam fused as ours). gsplat 1.5.3 compiles its CUDA on first use (~83 s): that happens before
   any timing.
+* with ``--gsplat-reset-fix``, gsplat once more with its opacity reset working. 1.5.3's
+  DefaultStrategy never resets opacities (``step % reset_every == 0 & step > 0`` parses as a
+  chained comparison ending in ``0 > 0``; fixed upstream after 1.5.3, PR #776): a subclass does
+  the reset at the steps the fixed line would (row ``gsplat+reset``). The library as installed
+  stays the ``gsplat`` row.
 
 Both are evaluated by the same code: every test view rendered at its own camera onto the
 evaluation background (white for RGBA views, as the evaluate stage composites them),
@@ -116,7 +121,21 @@ def _K(intr, device) -> torch.Tensor:
     return torch.tensor([[intr.fx, 0.0, intr.cx], [0.0, intr.fy, intr.cy], [0.0, 0.0, 1.0]], device=device)
 
 
-def run_gsplat(scene, steps: int, device, over: dict | None = None) -> dict:
+def _reset_fixed_strategy():
+    """gsplat's DefaultStrategy with the opacity reset its 1.5.3 predicate never reaches."""
+    from gsplat.strategy import DefaultStrategy
+    from gsplat.strategy.ops import reset_opa
+
+    class ResetFixed(DefaultStrategy):
+        def step_post_backward(self, params, optimizers, state, step, info, packed=False):
+            super().step_post_backward(params, optimizers, state, step, info, packed=packed)
+            if 0 < step < self.refine_stop_iter and step % self.reset_every == 0:
+                reset_opa(params=params, optimizers=optimizers, state=state, value=self.prune_opa * 2.0)
+
+    return ResetFixed(verbose=False)
+
+
+def run_gsplat(scene, steps: int, device, over: dict | None = None, reset_fix: bool = False) -> dict:
     """gsplat's library in a loop after its examples/simple_trainer.py, with our shared pieces."""
     import gsplat
     from gsplat.strategy import DefaultStrategy
@@ -140,7 +159,7 @@ def run_gsplat(scene, steps: int, device, over: dict | None = None) -> dict:
     optimizers = {k: torch.optim.Adam([{"params": splats[k], "lr": lr, "name": k}], eps=1e-15, fused=True)
                   for k, lr in lrs.items()}
     sched = torch.optim.lr_scheduler.ExponentialLR(optimizers["means"], (cfg.means_lr_final / cfg.means_lr) ** (1 / steps))
-    strategy = DefaultStrategy(verbose=False)
+    strategy = _reset_fixed_strategy() if reset_fix else DefaultStrategy(verbose=False)
     strategy.check_sanity(splats, optimizers)
     state = strategy.initialize_state(scene_scale=extent)
 
@@ -191,7 +210,7 @@ def run_gsplat(scene, steps: int, device, over: dict | None = None) -> dict:
             backgrounds=eval_bg[None], near_plane=cfg.near, far_plane=cfg.far)
         return out[0]
 
-    out = {"impl": "gsplat", "train_s": train_s, "gaussians": int(splats["means"].shape[0]), "peak_gb": peak / 1e9}
+    out = {"impl": "gsplat+reset" if reset_fix else "gsplat", "train_s": train_s, "gaussians": int(splats["means"].shape[0]), "peak_gb": peak / 1e9}
     out.update(evaluate(render, scene, device))
     return out
 
@@ -219,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, nargs="+", default=[7000])
     ap.add_argument("--only", choices=("rayforge", "gsplat"), help="run one side only")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="reconstruct.gs override (ours)")
+    ap.add_argument("--gsplat-reset-fix", action="store_true",
+                    help="also train gsplat with its opacity reset working (1.5.3 never resets; row gsplat+reset)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--save-ply", type=Path, help="folder: our trained Gaussians as <scene>_<steps>.ply")
     args = ap.parse_args(argv)
@@ -254,10 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         for steps in args.steps:
             sides = [] if args.only == "gsplat" else ["rayforge"]
             if have_gsplat:
-                sides.append("gsplat")
+                sides += ["gsplat", "gsplat+reset"] if args.gsplat_reset_fix else ["gsplat"]
             for impl in sides:
                 ply = None if args.save_ply is None else args.save_ply / f"{name}_{steps}.ply"
-                row = run_ours(scene, steps, device, over, ply) if impl == "rayforge" else run_gsplat(scene, steps, device, over)
+                row = (run_ours(scene, steps, device, over, ply) if impl == "rayforge"
+                       else run_gsplat(scene, steps, device, over, reset_fix=impl == "gsplat+reset"))
                 row.update(scene=name, steps=steps)
                 rows.append(row)
                 print(f"   {impl:8s} {steps:6d} steps: {row['train_s']:7.1f} s, PSNR {row['psnr']:.2f}, SSIM "
