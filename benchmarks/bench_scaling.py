@@ -45,8 +45,8 @@ sys.path.insert(0, str(ROOT))
 # occ_warmup_steps 256: without it this table stalls at ~15 dB for the first ~1000 steps (the first
 # prune of the untrained field drops a random half of the grid; stages/reconstruct/config.py); on
 # 1 H200 the default scene reached 29.85 dB at 2000 steps with it and 23.49 without.
-GPU_NERF = {"levels": 16, "log2_hashmap_size": 19, "max_resolution": 2048, "samples_per_ray": 256,
-            "occ_resolution": 128, "occ_warmup_steps": 256}
+GPU_NERF = {"levels": 16, "features_per_level": 2, "log2_hashmap_size": 19, "max_resolution": 2048,
+            "samples_per_ray": 256, "occ_resolution": 128, "occ_warmup_steps": 256}
 
 
 def table(rows: list[list], head: list[str]) -> str:
