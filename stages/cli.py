@@ -212,8 +212,7 @@ COMMANDS = (
              "rayforge process -S poses.source=transforms -S poses.camera_file=/data/lego -S ingest.alpha=white "
              "-S ingest.recursive=true --photos /data/lego"),
             _process_args, _process),
-    Command("train", "Train the reconstruction (NeRF or 3DGS: reconstruct.method) on the poses; several GPUs "
-            "run under torchrun.",
+    Command("train", "Train the model (NeRF or 3DGS) on the poses; several GPUs run under torchrun.",
             "python -m stages.reconstruct (DVC stage 'reconstruct'); its other options pass through: "
             "--checkpoint-dir, --launch, --node-rank, --write-slurm FILE, --write-k8s FILE with --k8s-image, "
             "--k8s-pvc, --k8s-namespace, --k8s-name",
