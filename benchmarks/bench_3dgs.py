@@ -210,7 +210,8 @@ def run_gsplat(scene, steps: int, device, over: dict | None = None, reset_fix: b
             backgrounds=eval_bg[None], near_plane=cfg.near, far_plane=cfg.far)
         return out[0]
 
-    out = {"impl": "gsplat+reset" if reset_fix else "gsplat", "train_s": train_s, "gaussians": int(splats["means"].shape[0]), "peak_gb": peak / 1e9}
+    out = {"impl": "gsplat+reset" if reset_fix else "gsplat", "train_s": train_s,
+           "gaussians": int(splats["means"].shape[0]), "peak_gb": peak / 1e9}
     out.update(evaluate(render, scene, device))
     return out
 

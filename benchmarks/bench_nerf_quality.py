@@ -54,9 +54,8 @@ BUDGETS = (15.0, 30.0, 60.0, 120.0)
 # unit cube, a 128^3 occupancy grid warmed up for 256 steps, TF32 matmuls. `steps` is only a cap here.
 GPU_NERF = {
     "levels": 16, "features_per_level": 2, "log2_hashmap_size": 19, "max_resolution": 2048,
-    "samples_per_ray": 1024,
-    "occ_resolution": 128, "occ_warmup_steps": 256, "lr": 1e-2, "lr_schedule": "ngp", "ema_decay": 0.95,
-    "table_optimizer": "sparse", "target_samples": 1 << 18, "mlp_precision": "tf32",
+    "samples_per_ray": 1024, "occ_resolution": 128, "occ_warmup_steps": 256, "lr": 1e-2, "lr_schedule": "ngp",
+    "ema_decay": 0.95, "table_optimizer": "sparse", "target_samples": 1 << 18, "mlp_precision": "tf32",
 }
 GPU_RECONSTRUCT = {"batch_rays": 8192, "steps": 1_000_000}
 # real captures (no alpha, no known background): the world past the box contracted into a shell around it;

@@ -22,8 +22,8 @@ import sys, yaml
 p = yaml.safe_load(open("params.yaml"))
 r = p["reconstruct"]
 r.update(steps=5000, batch_rays=8192, eval_every=500, device="cuda")
-r["nerf"].update(levels=16, features_per_level=2, log2_hashmap_size=19, max_resolution=2048, samples_per_ray=256, occ_resolution=128,
-                 occ_warmup_steps=256)
+r["nerf"].update(levels=16, features_per_level=2, log2_hashmap_size=19, max_resolution=2048, samples_per_ray=256,
+                 occ_resolution=128, occ_warmup_steps=256)
 r["distributed"].update(gpus=1, checkpoint_every=0)
 yaml.safe_dump(p, open(f"{sys.argv[1]}/params_gpu1.yaml", "w"), sort_keys=False)
 r.update(steps=1000, eval_every=1000)

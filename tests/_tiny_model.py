@@ -30,11 +30,11 @@ def make_poses(root: Path, width: int = 64, height: int = 48, views: int = 8) ->
     rgb = rng.integers(0, 256, (200, 3))
     try:
         write_ply(poses / "points3D.ply", pts, rgb)  # the poses stage's writer (open3d)
-    except ImportError:  # the GPU machine has no open3d: the same points as an ASCII PLY
-        rows = "".join(f"{x:.6f} {y:.6f} {z:.6f} {r} {g} {b}\n" for (x, y, z), (r, g, b) in zip(pts, rgb))
-        (poses / "points3D.ply").write_text(
-            "ply\nformat ascii 1.0\nelement vertex 200\nproperty float x\nproperty float y\nproperty float z\n"
-            "property uchar red\nproperty uchar green\nproperty uchar blue\nend_header\n" + rows)
+    except ImportError:  # the GPU machine has no open3d: trimesh, as the export stage writes points
+        import trimesh
+
+        cloud = trimesh.PointCloud(pts, colors=rgb.astype(np.uint8))
+        (poses / "points3D.ply").write_bytes(cloud.export(file_type="ply"))
     return poses
 
 

@@ -274,15 +274,7 @@ class _Link:
         # downstream of the exchange's autograd node, whose ctx holds this link, and a strong
         # reference would close a cycle through C++ autograd that the garbage collector cannot free
         # (every training render leaked its graph). The rasterizer saves it until the backward.
-        self._received_means2d = None
-
-    @property
-    def received_means2d(self):
-        return None if self._received_means2d is None else self._received_means2d()
-
-    @received_means2d.setter
-    def received_means2d(self, tensor) -> None:
-        self._received_means2d = None if tensor is None else weakref.ref(tensor)
+        self.received_means2d: weakref.ref | None = None
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         if not self.active:
@@ -296,7 +288,8 @@ class _Link:
             self.record.marks[3] = self.clock.mark()
         g = grad[:, :grad_cols(self.colours)]
         if self.absgrad:
-            ab = getattr(self.received_means2d, "absgrad", None)
+            received = self.received_means2d() if self.received_means2d is not None else None
+            ab = getattr(received, "absgrad", None)
             ab = grad.new_zeros((grad.shape[0], 2)) if ab is None else ab.reshape(-1, 2)
             g = torch.cat([g, ab], 1)
         if self.active:
@@ -500,7 +493,7 @@ class PartitionedRenderer:
         opac = received[:, 5 + D].contiguous()[None]
         depths = received[:, 6 + D].detach().contiguous()[None]
         radii = received[:, 7 + D:9 + D].detach().to(torch.int32)[None]
-        link.received_means2d = m2
+        link.received_means2d = weakref.ref(m2)
         keys, flatten_ids, offsets = _bin(m2, radii, depths, conics, opac, ts, tw, th, width, height)
         flat = offsets.reshape(-1)
         a, b = torch.cat([flat, flat.new_tensor([flatten_ids.numel()])])[[lo, hi]].tolist()
