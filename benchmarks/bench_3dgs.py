@@ -13,7 +13,9 @@ to 15k every 100 steps, opacity reset every 3000) and the same SSIM loss kernel
 in both loops keeps the comparison about the rasterizer, the densification and the loop).
 
 * ours: ``stages.reconstruct.train.train`` with ``reconstruct.method: 3dgs`` (the pipeline's
-  own loop: CUDA rasterizer kernels, fused SSIM, DensifyStrategy, fused Adam);
+  own loop: CUDA rasterizer kernels, fused SSIM, DensifyStrategy, fused Adam, each view's forward
+  and backward replayed in a CUDA graph, ``gs.cuda_graph: auto``); ``--eager`` adds a row
+  ``rayforge-eager`` of the same loop with ``gs.cuda_graph: off``;
 * gsplat: ``gsplat.rasterization(..., packed=False)`` and ``gsplat.strategy.DefaultStrategy``
   in a loop written after gsplat's ``examples/simple_trainer.py`` (its library as users call it;
   Adam fused as ours). gsplat 1.5.3 compiles its CUDA on first use (~83 s): that happens before
@@ -104,7 +106,7 @@ def run_ours(scene, steps: int, device, over: dict | None = None, ply: Path | No
 
         save_ply(ply, m.state_dict()["params"])
     out = {"impl": "rayforge", "train_s": res.train_time_s, "gaussians": m.n, "peak_gb": peak / 1e9,
-           "skipped_steps": res.skipped_steps}
+           "skipped_steps": res.skipped_steps, "cuda_graph": m.summary().get("cuda_graph")}
     out.update(evaluate(lambda intr, c2w: m.render_image(intr, c2w), scene, device))
     return out
 
@@ -241,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="reconstruct.gs override (ours)")
     ap.add_argument("--gsplat-reset-fix", action="store_true",
                     help="also train gsplat with its opacity reset working (1.5.3 never resets; row gsplat+reset)")
+    ap.add_argument("--eager", action="store_true",
+                    help="also train ours without the CUDA-graph views (gs.cuda_graph: off; row rayforge-eager)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--save-ply", type=Path, help="folder: our trained Gaussians as <scene>_<steps>.ply")
     args = ap.parse_args(argv)
@@ -274,16 +278,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}: {len(scene.train)} train / {len(scene.test)} test views, "
               f"{0 if scene.points is None else len(scene.points)} sparse points", flush=True)
         for steps in args.steps:
-            sides = [] if args.only == "gsplat" else ["rayforge"]
+            sides = [] if args.only == "gsplat" else ["rayforge"] + (["rayforge-eager"] if args.eager else [])
             if have_gsplat:
                 sides += ["gsplat", "gsplat+reset"] if args.gsplat_reset_fix else ["gsplat"]
             for impl in sides:
                 ply = None if args.save_ply is None else args.save_ply / f"{name}_{steps}.ply"
-                row = (run_ours(scene, steps, device, over, ply) if impl == "rayforge"
-                       else run_gsplat(scene, steps, device, over, reset_fix=impl == "gsplat+reset"))
+                if impl == "rayforge":
+                    row = run_ours(scene, steps, device, over, ply)
+                elif impl == "rayforge-eager":
+                    row = {**run_ours(scene, steps, device, {**over, "cuda_graph": "off"}), "impl": impl}
+                else:
+                    row = run_gsplat(scene, steps, device, over, reset_fix=impl == "gsplat+reset")
                 row.update(scene=name, steps=steps)
                 rows.append(row)
-                print(f"   {impl:8s} {steps:6d} steps: {row['train_s']:7.1f} s, PSNR {row['psnr']:.2f}, SSIM "
+                print(f"   {impl:14s} {steps:6d} steps: {row['train_s']:7.1f} s, PSNR {row['psnr']:.2f}, SSIM "
                       f"{row['ssim']:.4f}, {row['gaussians']:,} Gaussians, {row['peak_gb']:.2f} GB, "
                       f"{row['fps']:.0f} FPS", flush=True)
     print("\n| scene | steps | impl | train s | time vs gsplat | PSNR | SSIM | Gaussians | peak GB | FPS |")

@@ -176,11 +176,16 @@ def spherical_harmonics(degree, dirs, coeffs):
 
 
 def bin_tiles(means2d, radii, depths, tile_size, tile_width, tile_height, check_budget, width=None, height=None,
-              conics=None, opacities=None):
-    """(tiles_per_gauss [C, N], isect_ids [M], flatten_ids [M], isect_offsets [C, th, tw]).
+              conics=None, opacities=None, capacity=None):
+    """(tiles_per_gauss [C, N], isect_ids [M], flatten_ids [M], isect_offsets [C, th, tw], needed).
 
     With conics and opacities (and the image size) tiles that the Gaussian's alpha cannot reach
-    at 1/255 are dropped (csrc/gaussians_tiles.cu); without, every tile of the radii's box counts."""
+    at 1/255 are dropped (csrc/gaussians_tiles.cu); without, every tile of the radii's box counts.
+
+    ``capacity``: buffers of that many intersections, sized without reading the count back (what a
+    CUDA graph needs). ``needed`` is then the count the view needed, a [1] int64 device tensor; only
+    the first min(needed, capacity) entries are real, and past the capacity the farthest Gaussians'
+    tiles are the ones left out. Without a capacity M is exact (one host read) and ``needed`` None."""
     C, N = depths.shape
     CN, dev = C * N, depths.device
     n_tiles = tile_width * tile_height
@@ -195,17 +200,25 @@ def bin_tiles(means2d, radii, depths, tile_size, tile_width, tile_height, check_
         prog.launch("tile_counts", _blocks(CN), (BLOCK,), [(CN, i64), *box, _p(counts)], device=dev)
     order = torch.sort(depths.reshape(-1), stable=True).indices  # depth first, ties in Gaussian order
     ends = torch.cumsum(counts[order], 0)
-    M = int(ends[-1]) if CN else 0  # host sync: how many intersections to allocate
-    check_budget(M)
+    needed = None
+    if capacity is None:
+        M = int(ends[-1]) if CN else 0  # host sync: how many intersections to allocate
+        check_budget(M)
+    else:
+        M = int(capacity)
+        check_budget(M)
+        needed = ends[-1:] if CN else torch.zeros(1, dtype=torch.int64, device=dev)
     flatten_ids = torch.empty(M, dtype=torch.int32, device=dev)
     isect_ids = torch.empty(M, dtype=torch.int64, device=dev)
-    offsets = (torch.empty if M else torch.zeros)(C * n_tiles, dtype=torch.int32, device=dev)
-    if M:
-        keys = torch.empty(M, dtype=torch.int32, device=dev)
+    offsets = (torch.empty if M and needed is None else torch.zeros)(C * n_tiles, dtype=torch.int32, device=dev)
+    if M and CN:
+        # a fixed budget pads the tail with the largest key, which sorts after every real one
+        keys = (torch.empty(M, dtype=torch.int32, device=dev) if needed is None
+                else torch.full((M,), 2**31 - 1, dtype=torch.int32, device=dev))
         values = torch.empty(M, dtype=torch.int32, device=dev)
         prog.launch("tile_emit", _blocks(CN), (BLOCK,),
-                    [(CN, i64), (N, i32), *box, (tile_bits, i32), _p(order), _p(ends), _p(counts), _p(keys),
-                     _p(values)], device=dev)
+                    [(CN, i64), (N, i32), *box, (tile_bits, i32), _p(order), _p(ends), _p(counts), (M, i64),
+                     _p(keys), _p(values)], device=dev)
         if SORT == "radix":
             sorted_keys, values = _radix_sort(keys, values, sum(key_bits(C, n_tiles)))
             perm = None
@@ -213,9 +226,9 @@ def bin_tiles(means2d, radii, depths, tile_size, tile_width, tile_height, check_
             sorted_keys, perm = torch.sort(keys, stable=True)
         del keys
         prog.launch("tile_finish", _blocks(M), (BLOCK,),
-                    [(M, i64), _p(sorted_keys), _p(perm), _p(values), _p(depths), (tile_bits, i32), (n_tiles, i32),
-                     (C * n_tiles, i64), _p(flatten_ids), _p(isect_ids), _p(offsets)], device=dev)
-    return (counts.view(C, N), isect_ids, flatten_ids, offsets.view(C, tile_height, tile_width))
+                    [(M, i64), _p(needed), _p(sorted_keys), _p(perm), _p(values), _p(depths), (tile_bits, i32),
+                     (n_tiles, i32), (C * n_tiles, i64), _p(flatten_ids), _p(isect_ids), _p(offsets)], device=dev)
+    return counts.view(C, N), isect_ids, flatten_ids, offsets.view(C, tile_height, tile_width), needed
 
 
 def _radix_sort(keys, values, bits):
@@ -236,8 +249,8 @@ def _radix_sort(keys, values, bits):
 
 
 def intersect_tiles(means2d, radii, depths, tile_size, tile_width, tile_height, check_budget):
-    counts, isect_ids, flatten_ids, _ = bin_tiles(means2d, radii, depths, tile_size, tile_width, tile_height,
-                                                  check_budget)
+    counts, isect_ids, flatten_ids, _, _ = bin_tiles(means2d, radii, depths, tile_size, tile_width, tile_height,
+                                                     check_budget)
     return counts, isect_ids, flatten_ids
 
 
@@ -272,7 +285,7 @@ def _raster_launch(name: str, tile_size: int, D: int, backward: bool, grid, args
 class _Rasterize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, cfg,
-                absgrad_target):
+                absgrad_target, needed):
         width, height, tile_size = cfg
         C, D = colors.shape[0], colors.shape[-1]
         th, tw = isect_offsets.shape[1:]
@@ -283,17 +296,18 @@ class _Rasterize(torch.autograd.Function):
         last_ids = torch.empty(C, height, width, dtype=torch.int32, device=dev)
         _raster_launch(f"rasterize_fwd<{D}>", tile_size, D, False, (tw, th, C),
                        [_p(means2d), _p(conics), _p(colors), _p(opacities), _p(backgrounds), _p(isect_offsets),
-                        _p(flatten_ids), (flatten_ids.numel(), i32), (width, i32), (height, i32), _p(out),
-                        _p(alphas), _p(T), _p(last_ids)], dev)
+                        _p(flatten_ids), (flatten_ids.numel(), i32), _p(needed), (width, i32), (height, i32),
+                        _p(out), _p(alphas), _p(T), _p(last_ids)], dev)
         ctx.save_for_backward(means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, T,
-                              last_ids)
+                              last_ids, needed)
         ctx.cfg, ctx.absgrad_target = cfg, absgrad_target
         return out, alphas.view(C, height, width, 1)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_out, g_alphas):
-        means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, T, last_ids = ctx.saved_tensors
+        (means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, T, last_ids,
+         needed) = ctx.saved_tensors
         width, height, tile_size = ctx.cfg
         C, D = colors.shape[0], colors.shape[-1]
         th, tw = isect_offsets.shape[1:]
@@ -305,19 +319,19 @@ class _Rasterize(torch.autograd.Function):
         v_abs = torch.zeros_like(means2d) if ctx.absgrad_target is not None else None
         _raster_launch(f"rasterize_bwd<{D}>", tile_size, D, True, (tw, th, C),
                        [_p(means2d), _p(conics), _p(colors), _p(opacities), _p(backgrounds), _p(isect_offsets),
-                        _p(flatten_ids), (flatten_ids.numel(), i32), (width, i32), (height, i32), _p(T),
-                        _p(last_ids), _p(g_out), _p(g_alphas), _p(v_means2d), _p(v_abs), _p(v_conics),
+                        _p(flatten_ids), (flatten_ids.numel(), i32), _p(needed), (width, i32), (height, i32),
+                        _p(T), _p(last_ids), _p(g_out), _p(g_alphas), _p(v_means2d), _p(v_abs), _p(v_conics),
                         _p(v_colors), _p(v_opac)], dev)
         v_bg = None
         if backgrounds is not None and ctx.needs_input_grad[4]:
             v_bg = (g_out * T[..., None]).sum((1, 2))
         if v_abs is not None:
             ctx.absgrad_target.absgrad = v_abs
-        return v_means2d, v_conics, v_colors, v_opac, v_bg, None, None, None, None
+        return v_means2d, v_conics, v_colors, v_opac, v_bg, None, None, None, None, None
 
 
 def rasterize_to_pixels(means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids,
-                        backgrounds, absgrad):
+                        backgrounds, absgrad, needed=None):
     target = means2d if absgrad else None
     if means2d.data_ptr() % 8:  # float2 loads need an 8-byte aligned base (a view at an odd offset)
         means2d = means2d.clone()
@@ -325,7 +339,7 @@ def rasterize_to_pixels(means2d, conics, colors, opacities, width, height, tile_
     D = colors.shape[-1]
     if D <= MAX_CHANNELS:
         return _Rasterize.apply(means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, cfg,
-                                target)
+                                target, needed)
     if absgrad:
         raise ValueError(f"absgrad needs at most {MAX_CHANNELS} colour channels on CUDA (|dL/dmeans2d| per pixel "
                          f"is not a sum over channel chunks), got {D}")
@@ -333,7 +347,7 @@ def rasterize_to_pixels(means2d, conics, colors, opacities, width, height, tile_
     for k in range(0, D, MAX_CHANNELS):
         bg = None if backgrounds is None else backgrounds[:, k:k + MAX_CHANNELS].contiguous()
         out, alpha = _Rasterize.apply(means2d, conics, colors[..., k:k + MAX_CHANNELS].contiguous(), opacities, bg,
-                                      isect_offsets, flatten_ids, cfg, None)
+                                      isect_offsets, flatten_ids, cfg, None, needed)
         outs.append(out)
         alphas = alpha if alphas is None else alphas  # the first chunk's alpha carries its gradient
     return torch.cat(outs, -1), alphas

@@ -371,10 +371,10 @@ def rasterize_to_pixels(means2d, conics, colors, opacities, width: int, height: 
 
 
 def _rasterize(means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids,
-               backgrounds, absgrad):
+               backgrounds, absgrad, needed=None):
     if _use_cuda(means2d.device):
         return _cuda().rasterize_to_pixels(means2d, conics, colors, opacities, width, height, tile_size,
-                                           isect_offsets, flatten_ids, backgrounds, absgrad)
+                                           isect_offsets, flatten_ids, backgrounds, absgrad, needed)
     return rasterize_to_pixels_reference(means2d, conics, colors, opacities, width, height, tile_size,
                                          isect_offsets, flatten_ids, backgrounds, absgrad)
 
@@ -383,7 +383,7 @@ def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: 
                   sh_degree: int | None = None, backgrounds=None, render_mode: str = "RGB",
                   near_plane: float = 0.01, far_plane: float = 1e10, eps2d: float = 0.3,
                   radius_clip: float = 0.0, antialiased: bool = False, absgrad: bool = False,
-                  tile_size: int = 16, validate: bool = True):
+                  tile_size: int = 16, validate: bool = True, capacity: int | None = None):
     """Render N Gaussians into C cameras: project, colour, bin into tiles, blend (gsplat's
     ``rasterization(..., packed=False)``).
 
@@ -403,6 +403,12 @@ def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: 
             GPU. A caller whose tensors cannot hold such values (the training loop: a step with a
             non-finite gradient never updates them) passes False; shapes, dtypes and devices are
             checked either way.
+        capacity: on a GPU, room for this many tile intersections, so that nothing is read back to
+            size the buffers and the call can be captured in a CUDA graph (the 3DGS training
+            step's). ``meta["n_intersections"]`` is then the count the views needed, a [1] int64
+            device tensor; above the capacity the farthest Gaussians' tiles are left out of the
+            render. None sizes them exactly (one host read). The CPU twins always size them
+            exactly.
 
     Returns:
         (render_colors [C, H, W, D'], render_alphas [C, H, W, 1], meta). meta holds "means2d"
@@ -410,7 +416,7 @@ def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: 
         view-space gradient densification reads), "radii" ([C, N] int32, the larger box half-size),
         "depths", "conics", "opacities" (as blended), "width", "height", "n_cameras", "tile_size",
         "tile_width", "tile_height", "tiles_per_gauss", "isect_ids", "flatten_ids", "isect_offsets",
-        "n_intersections".
+        "n_intersections" (an int; with ``capacity`` on a GPU a device tensor, see above).
     """
     sizes: dict = {}
     _check_gaussians(means, quats, scales, sizes)
@@ -464,10 +470,13 @@ def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: 
         rgb = proj.depths[..., None]
         bg = None if bg is None else bg.new_zeros(C, 1)
     rgb = rgb.contiguous()
+    needed = None
+    if capacity is not None:
+        _check_int("capacity", capacity)
     if _use_cuda(dev):  # binning that also drops the tiles of a box the Gaussian's alpha cannot reach
-        tiles_per_gauss, isect_ids, flatten_ids, offsets = _cuda().bin_tiles(
+        tiles_per_gauss, isect_ids, flatten_ids, offsets, needed = _cuda().bin_tiles(
             proj.means2d, proj.radii, proj.depths, tile_size, tw, th, _check_budget, width, height,
-            proj.conics.detach(), opac.detach())
+            proj.conics.detach(), opac.detach(), capacity)
     else:
         tiles_per_gauss, isect_ids, flatten_ids = _intersect(proj.means2d, proj.radii, proj.depths, tile_size,
                                                              tw, th)
@@ -476,11 +485,12 @@ def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: 
     if means2d.requires_grad:
         means2d.retain_grad()
     render, alphas = _rasterize(means2d, proj.conics, rgb, opac, width, height, tile_size, offsets,
-                                flatten_ids, bg, absgrad)
+                                flatten_ids, bg, absgrad, needed)
     if render_mode in ("ED", "RGB+ED"):
         render = torch.cat([render[..., :-1], render[..., -1:] / alphas.clamp(min=1e-10)], -1)
     meta = {"means2d": means2d, "radii": proj.radii.amax(-1), "depths": proj.depths, "conics": proj.conics,
             "opacities": opac, "width": width, "height": height, "n_cameras": C, "tile_size": tile_size,
             "tile_width": tw, "tile_height": th, "tiles_per_gauss": tiles_per_gauss, "isect_ids": isect_ids,
-            "flatten_ids": flatten_ids, "isect_offsets": offsets, "n_intersections": int(flatten_ids.numel())}
+            "flatten_ids": flatten_ids, "isect_offsets": offsets,
+            "n_intersections": int(flatten_ids.numel()) if needed is None else needed}
     return render, alphas, meta

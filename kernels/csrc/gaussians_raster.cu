@@ -73,10 +73,17 @@ __device__ __forceinline__ unsigned gs_warp_mask(const float4& p, const float2& 
   return upto & ~((1u << w0) - 1u) & all;                           // minus bits 0 .. w0 - 1
 }
 
+// The run of tile ``tile_global`` in flatten_ids; the last tile's ends at M, or at min(M, *needed)
+// under a fixed budget (tile_finish's ``needed``: only that many entries are real).
 __device__ __forceinline__ void gs_tile_range(const int* __restrict__ offsets, long long tile_global,
-                                              long long total_tiles, int M, int& start, int& end) {
+                                              long long total_tiles, int M, const long long* __restrict__ needed,
+                                              int& start, int& end) {
   start = offsets[tile_global];
-  end = tile_global + 1 < total_tiles ? offsets[tile_global + 1] : M;
+  if (tile_global + 1 < total_tiles) {
+    end = offsets[tile_global + 1];
+  } else {
+    end = needed != nullptr ? (int)min((long long)M, *needed) : M;
+  }
 }
 
 // grid (tw, th, C), block (ts, ts), dynamic shared memory blockDim * (7 + D) * 4 bytes.
@@ -88,7 +95,8 @@ __global__ void rasterize_fwd(const float* __restrict__ means2d,      // [C*N, 2
                               const float* __restrict__ backgrounds,  // [C, D] or nullptr
                               const int* __restrict__ offsets,        // [C, th, tw]
                               const int* __restrict__ flatten_ids,    // [M]
-                              int M, int width, int height,
+                              int M, const long long* __restrict__ needed,  // [1] or nullptr
+                              int width, int height,
                               float* __restrict__ out_colors,         // [C, H, W, D]
                               float* __restrict__ out_alphas,         // [C, H, W]: 1 - T
                               float* __restrict__ out_T,              // [C, H, W]: T itself, for the backward
@@ -107,7 +115,7 @@ __global__ void rasterize_fwd(const float* __restrict__ means2d,      // [C*N, 2
   const bool inside = px_i < width && py_i < height;
   const float px = px_i + 0.5f, py = py_i + 0.5f;
   int start, end;
-  gs_tile_range(offsets, ((long long)cam * th + blockIdx.y) * tw + blockIdx.x, total_tiles, M, start, end);
+  gs_tile_range(offsets, ((long long)cam * th + blockIdx.y) * tw + blockIdx.x, total_tiles, M, needed, start, end);
   float T = 1.f, acc[D];
 #pragma unroll
   for (int k = 0; k < D; ++k) acc[k] = 0.f;
@@ -193,7 +201,8 @@ template <int D>
 __global__ void rasterize_bwd(const float* __restrict__ means2d, const float* __restrict__ conics,
                               const float* __restrict__ colors, const float* __restrict__ opacities,
                               const float* __restrict__ backgrounds, const int* __restrict__ offsets,
-                              const int* __restrict__ flatten_ids, int M, int width, int height,
+                              const int* __restrict__ flatten_ids, int M,
+                              const long long* __restrict__ needed, int width, int height,
                               const float* __restrict__ out_T,        // [C, H, W] final transmittance
                               const int* __restrict__ last_ids,       // [C, H, W]
                               const float* __restrict__ g_colors,     // [C, H, W, D]
@@ -220,7 +229,7 @@ __global__ void rasterize_bwd(const float* __restrict__ means2d, const float* __
   const bool inside = px_i < width && py_i < height;
   const float px = px_i + 0.5f, py = py_i + 0.5f;
   int start, end;
-  gs_tile_range(offsets, ((long long)cam * th + blockIdx.y) * tw + blockIdx.x, total_tiles, M, start, end);
+  gs_tile_range(offsets, ((long long)cam * th + blockIdx.y) * tw + blockIdx.x, total_tiles, M, needed, start, end);
   const long long pix = inside ? ((long long)cam * height + py_i) * width + px_i : 0;
   const float T_final = inside ? out_T[pix] : 1.f;
   const int last = inside ? last_ids[pix] : -1;

@@ -68,15 +68,17 @@ __global__ void tile_counts(long long CN, const float* __restrict__ means2d,  //
 
 // In depth order: rank r's Gaussian g = order[r] writes its tiles at ends[r] - counts[g] ...:
 // key = (camera << tile_bits | tile) ^ 0x80000000 (so that a signed sort orders the unsigned
-// value), value = g. Never more than counts[g] of them (the same test as tile_counts decides).
+// value), value = g. Never more than counts[g] of them (the same test as tile_counts decides),
+// and none at or past ``capacity`` (a CUDA graph's fixed budget; the exact path passes M).
 __global__ void tile_emit(long long CN, int N, const float* __restrict__ means2d, const int* __restrict__ radii,
                           int per_axis, const float* __restrict__ conics, const float* __restrict__ opacities,
                           int ts, int tw, int th, int width, int height, int tile_bits,
                           const long long* __restrict__ order,   // [C*N] depth-sorted indices
                           const long long* __restrict__ ends,    // [C*N] inclusive scan of counts[order]
                           const int* __restrict__ counts,        // [C*N]
-                          int* __restrict__ keys,                // [M]
-                          int* __restrict__ values) {            // [M]
+                          long long capacity,                    // entries keys and values hold
+                          int* __restrict__ keys,                // [capacity]
+                          int* __restrict__ values) {            // [capacity]
   const long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= CN) return;
   const long long g = order[r];
@@ -85,9 +87,10 @@ __global__ void tile_emit(long long CN, int N, const float* __restrict__ means2d
   const long long start = ends[r] - n;
   const unsigned cam = (unsigned)(g / N) << tile_bits;
   gs_for_tiles(g, means2d, radii, per_axis, conics, opacities, ts, tw, th, width, height, [&](int tile, int k) {
-    if (k >= n) return;
-    keys[start + k] = (int)((cam | (unsigned)tile) ^ 0x80000000u);
-    values[start + k] = (int)g;
+    const long long at = start + k;
+    if (k >= n || at >= capacity) return;  // past a fixed budget: the farthest Gaussians' tiles drop
+    keys[at] = (int)((cam | (unsigned)tile) ^ 0x80000000u);
+    values[at] = (int)g;
   });
 }
 
@@ -104,8 +107,11 @@ __device__ __forceinline__ long long gs_tile_index(unsigned hi, int tile_bits, i
   return (long long)(hi >> tile_bits) * n_tiles + (hi & ((1u << tile_bits) - 1u));
 }
 
-// After the stable sort of the keys: flatten_ids, the 64-bit keys and the tile offsets.
-__global__ void tile_finish(long long M, const int* __restrict__ sorted_keys,  // [M]
+// After the stable sort of the keys: flatten_ids, the 64-bit keys and the tile offsets. With
+// ``needed`` (a fixed budget of M entries, the tail padded with INT_MAX keys that sort last) only
+// the first min(*needed, M) entries are real.
+__global__ void tile_finish(long long M, const long long* __restrict__ needed,  // [1] or nullptr
+                            const int* __restrict__ sorted_keys,               // [M]
                             const long long* __restrict__ perm,                // [M] torch.sort's permutation,
                                                                                // or nullptr: values sorted too
                             const int* __restrict__ values,                    // [M]
@@ -115,6 +121,7 @@ __global__ void tile_finish(long long M, const int* __restrict__ sorted_keys,  /
                             long long* __restrict__ isect_ids,                 // [M]
                             int* __restrict__ offsets) {                       // [C * n_tiles]
   const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (needed != nullptr) M = min(M, *needed);
   if (j >= M) return;
   const unsigned hi = (unsigned)sorted_keys[j] ^ 0x80000000u;
   const int g = perm != nullptr ? values[perm[j]] : values[j];

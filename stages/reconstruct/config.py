@@ -203,6 +203,10 @@ class GaussianParams:
     # where the training images live: "auto" on the GPU when they fit in a quarter of its free
     # memory, else in pinned CPU memory (copied per step); "cuda" | "cpu" force it
     images_on: Literal["auto", "cuda", "cpu"] = "auto"
+    # each training view's forward and backward captured in a CUDA graph and replayed, with a fixed
+    # budget of tile intersections (gs/graph.py): "auto" where the rasterizer runs CUDA kernels
+    # (replicated, overlap_comm off), "on" (an error where it cannot), "off"
+    cuda_graph: Literal["auto", "on", "off"] | bool = "auto"
     # adaptive density control (gs/densify.py): schedule, thresholds, the Gaussian budget max_gaussians
     densify: DensifyParams = field(default_factory=DensifyParams)
 
@@ -219,6 +223,7 @@ class GaussianParams:
               self.means_lr_final)
         check(0 <= self.ssim_lambda <= 1, "ssim_lambda", "must be in [0, 1]", self.ssim_lambda)
         switch(self, "random_background")
+        switch(self, "cuda_graph")
         if isinstance(self.learn_background, bool):  # YAML 1.1 reads a bare on/off as a bool
             self.learn_background = "auto" if self.learn_background else "off"
         check(self.background_lr > 0, "background_lr", "must be > 0", self.background_lr)

@@ -79,7 +79,7 @@ class GaussianMethod:
     name = "3dgs"
     VERSION = 1
     UNIT = "views"
-    OPERATIONAL_KEYS = frozenset({"kernels", "gs.images_on"})
+    OPERATIONAL_KEYS = frozenset({"kernels", "gs.images_on", "gs.cuda_graph"})
 
     def __init__(self, params, aabb: torch.Tensor, device: torch.device,
                  background: tuple[float, float, float] | None = None, scene=None):
@@ -122,9 +122,26 @@ class GaussianMethod:
         gamma = (cfg.means_lr_final / cfg.means_lr) ** (1.0 / max(1, params.steps))
         self.schedulers = {"means": torch.optim.lr_scheduler.ExponentialLR(self.optimizers["means"], gamma)}
         self.densify = DensifyStrategy(cfg.densify)
-        self._metas: list[dict] = []
+        self.graphed = self._captured_view(cfg.cuda_graph, params)
         self.densify_log: list[dict] = []
         self._has_alpha = False
+
+    def _captured_view(self, setting: str, params):
+        """The CUDA-graph training view (gs/graph.py), or None for eager views."""
+        if setting == "off":
+            return None
+        why = ("the rasterizer does not run CUDA kernels here (reconstruct.kernels)" if not self.use_kernels else
+               "distributed.overlap_comm starts all-reduces from backward hooks, which a replayed graph skips"
+               if params.distributed.overlap_comm else
+               "partitioned mode renders through the exchange of Gaussians between ranks"
+               if params.distributed.mode == "partitioned" else None)
+        if why is not None:
+            if setting == "on":
+                raise ValueError(f"reconstruct.gs.cuda_graph is 'on' but {why}")
+            return None
+        from .graph import CapturedView
+
+        return CapturedView(self, required=setting == "on")
 
     # ------------------------------------------------------------ the Method members
 
@@ -180,51 +197,78 @@ class GaussianMethod:
         return sh_degree_at(step, self.cfg.sh_degree, self.cfg.sh_degree_every)
 
     def _render(self, viewmats, Ks, width: int, height: int, sh_degree: int, backgrounds, absgrad: bool = False,
-                render_mode: str = "RGB", validate: bool = True):
+                render_mode: str = "RGB", validate: bool = True, capacity: int | None = None):
         import kernels
 
         g = self.gaussians
+        budget = {} if capacity is None else {"capacity": capacity}  # the CUDA-graph view's (gs/graph.py)
         return (self.renderer or kernels.rasterization)(
             g["means"], g["quats"], torch.exp(g["scales"]), torch.sigmoid(g["opacities"]),
             torch.cat([g["sh0"], g["shN"]], dim=1), viewmats, Ks, width, height, sh_degree=sh_degree,
             backgrounds=backgrounds, near_plane=self.cfg.near, far_plane=self.cfg.far, eps2d=self.cfg.eps2d,
-            antialiased=self.cfg.antialiased, absgrad=absgrad, render_mode=render_mode, validate=validate)
+            antialiased=self.cfg.antialiased, absgrad=absgrad, render_mode=render_mode, validate=validate,
+            **budget)
 
     def _random_bg(self) -> bool:
         rb = self.cfg.random_background
         return rb == "on" or (rb == "auto" and self._has_alpha)
 
-    def forward_backward(self, batch, generator: torch.Generator, before_backward=None) -> dict:
-        """Render each view of ``batch`` (a :class:`_Batch`) and add the gradients of the mean loss."""
+    def _view_loss(self, image: torch.Tensor, viewmat: torch.Tensor, K: torch.Tensor, width: int, height: int,
+                   bg: torch.Tensor | None, n: int, capacity: int | None = None):
+        """(loss / n, mse / n, meta) of one training view: its uint8 ``image`` [H, W, C] on the method's
+        device, composited over ``bg`` [3] where it has alpha (None: the method's own colour, with its
+        gradient when learned), against the render; the body of an eager view and of a captured one."""
         from kernels.ssim import ssim as fused_ssim
 
-        lam, views, n = self.cfg.ssim_lambda, batch.views, len(batch.indices)
+        lam = self.cfg.ssim_lambda
+        if bg is None:
+            bg = self.background_rgb(learning=True)
+        img = image.float() / 255.0
+        gt = img[..., :3]
+        if img.shape[-1] == 4:
+            a = img[..., 3:]
+            gt = gt * a + bg * (1.0 - a)
+        render, _, meta = self._render(viewmat, K, width, height, self.sh_degree(self._step), bg[None],
+                                       absgrad=self.cfg.densify.absgrad, validate=False,  # finite by construction
+                                       capacity=capacity)
+        pred = render[0]
+        l1 = (pred - gt).abs().mean()
+        ssim = fused_ssim(pred.permute(2, 0, 1)[None], gt.permute(2, 0, 1)[None], use_kernels=self.use_kernels)
+        loss = ((1.0 - lam) * l1 + lam * (1.0 - ssim)) / n
+        mse = ((pred.detach() - gt) ** 2).mean() / n
+        return loss, mse, meta
+
+    def forward_backward(self, batch, generator: torch.Generator, before_backward=None) -> dict:
+        """Render each view of ``batch`` (a :class:`_Batch`) and add the gradients of the mean loss:
+        replayed in a CUDA graph where one runs (gs/graph.py), else eagerly."""
+        views, n = batch.views, len(batch.indices)
         loss_sum = mse_sum = None
         pixels = 0
         for k, i in enumerate(batch.indices):
             intr = views.intrs[i]
-            img = views.image(i).to(self.device, non_blocking=True).float() / 255.0
-            gt = img[..., :3]
-            if img.shape[-1] == 4 and self._random_bg():
+            image = views.image(i)
+            bg = None
+            if image.shape[-1] == 4 and self._random_bg():
                 bg = torch.rand(3, generator=generator, device=generator.device).to(self.device)
-            else:
-                bg = self.background_rgb(learning=True)
-            if img.shape[-1] == 4:
-                a = img[..., 3:]
-                gt = gt * a + bg * (1.0 - a)
-            render, _, meta = self._render(views.viewmats[i:i + 1], views.Ks[i:i + 1], intr.width, intr.height,
-                                           self.sh_degree(self._step), bg[None], absgrad=self.cfg.densify.absgrad,
-                                           validate=False)  # finite by construction: no host read
-            pred = render[0]
-            l1 = (pred - gt).abs().mean()
-            ssim = fused_ssim(pred.permute(2, 0, 1)[None], gt.permute(2, 0, 1)[None], use_kernels=self.use_kernels)
-            loss = ((1.0 - lam) * l1 + lam * (1.0 - ssim)) / n
-            mse = ((pred.detach() - gt) ** 2).mean() / n
             if k == n - 1 and before_backward is not None:
                 before_backward()
-            loss.backward()
-            self._metas.append(meta)
-            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            got = None
+            if self.graphed is not None and self.renderer is None:
+                got = self.graphed(image, views.viewmats[i:i + 1], views.Ks[i:i + 1], bg, n)
+            if got is not None:
+                loss, mse, meta = got
+            else:
+                loss, mse, meta = self._view_loss(image.to(self.device, non_blocking=True), views.viewmats[i:i + 1],
+                                                  views.Ks[i:i + 1], intr.width, intr.height, bg, n)
+                loss.backward()
+                loss = loss.detach()  # nothing of this view's autograd graph may outlive it: a CUDA graph
+                if self.graphed is not None:  # captured while it lives would wait on it and fail
+                    self.graphed.observe(meta["n_intersections"])
+            # the view-space gradients, read now (a replayed graph rewrites them with the next view)
+            if self.densify.active(self._step):
+                self.densify.accumulate(meta)
+            del meta
+            loss_sum = loss if loss_sum is None else loss_sum + loss
             mse_sum = mse if mse_sum is None else mse_sum + mse
             pixels += intr.width * intr.height
         # a count made on the device: torch.as_tensor(int) would copy from the host and wait for the GPU
@@ -249,11 +293,8 @@ class GaussianMethod:
 
     def after_step(self, step: int, strategy) -> bool:
         """Densification statistics of this step's renders; clone, split, prune at refine steps."""
-        metas, self._metas = self._metas, []
-        if not self.densify.active(step):
+        if not self.densify.active(step):  # (forward_backward accumulated the statistics)
             return False
-        for meta in metas:
-            self.densify.accumulate(meta)
         self.densify.reduce = lambda stats: _reduced(strategy, stats)
         before = self.n
         out = self.densify.step(step, self.gaussians, self.optimizers, self._shared, self.extent)
@@ -343,7 +384,8 @@ class GaussianMethod:
     def summary(self) -> dict:
         bg = None if self.bg_logit is None else [round(float(v), 4) for v in self.background_rgb()]
         return {"kernels": self.use_kernels, "num_gaussians": self.n, "sh_degree": self.cfg.sh_degree,
-                "learned_background": bg, "densify": self.densify_log[-50:]}
+                "learned_background": bg, "densify": self.densify_log[-50:],
+                "cuda_graph": None if self.graphed is None else self.graphed.summary()}
 
     _step = 0
     _shared: torch.Generator | None = None

@@ -512,9 +512,9 @@ def _bin(means2d, radii, depths, conics, opacities, ts: int, tw: int, th: int, w
     from kernels import gaussians as G
 
     if G._use_cuda(means2d.device):
-        _, keys, flatten_ids, offsets = G._cuda().bin_tiles(means2d.detach(), radii, depths, ts, tw, th,
-                                                            G._check_budget, width, height, conics.detach(),
-                                                            opacities.detach())
+        _, keys, flatten_ids, offsets, _ = G._cuda().bin_tiles(means2d.detach(), radii, depths, ts, tw, th,
+                                                               G._check_budget, width, height, conics.detach(),
+                                                               opacities.detach())
         return keys, flatten_ids, offsets
     _, keys, flatten_ids = kernels.intersect_tiles(means2d.detach().contiguous(), radii, depths, ts, tw, th)
     return keys, flatten_ids, kernels.isect_offset_encode(keys, 1, tw, th)

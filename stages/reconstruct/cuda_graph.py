@@ -1,0 +1,176 @@
+"""What the methods' CUDA-graph training steps share (nerf/graph.py, gs/graph.py).
+
+A captured step replays a method's forward and backward with fixed addresses and shapes. The one
+size that moves from step to step (the NeRF's packed samples, 3DGS's tile intersections) gets a
+fixed budget instead of a host read: each replay copies the count it needed to pinned host memory
+asynchronously, and the count is read a step or two later, once the GPU is past it. The budget is
+:data:`HEADROOM` above the counts seen; the step is captured again, larger, once they pass
+:data:`GROW_ABOVE` of it and, smaller, once they fall under :data:`SHRINK_BELOW` of it. A replay
+whose count outgrew its budget is counted in :attr:`GraphStep.overflow_steps`; what the method does
+with the entries past the budget is its own (the NeRF drops samples, 3DGS the farthest Gaussians'
+tiles).
+
+The gradients the graph adds into are allocated once and bound to the parameters' ``.grad`` before
+each replay (``_bind_grads``): the optimizers drop them after a step, and a data-parallel reducer
+points them at its all-reduce buckets (those are kept when they are what the graph captured).
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import torch
+
+log = logging.getLogger(__name__)
+
+HEADROOM = 1.3  # budget = HEADROOM x the observed count, rounded up to QUANTUM
+QUANTUM = 1 << 14
+GROW_ABOVE = 0.9  # capture again, larger, when the count passes this fraction of the budget
+SHRINK_BELOW = 0.5  # ... smaller, when it falls under this fraction
+MAX_AHEAD = 2  # replays the host may run ahead of the GPU before it waits for a count
+
+
+def budget_for(count: int) -> int:
+    """Budget for an observed count: HEADROOM above it, a multiple of QUANTUM."""
+    return max(QUANTUM, -(-int(count * HEADROOM) // QUANTUM) * QUANTUM)
+
+
+class GraphStep:
+    """The budget, gradient and capture bookkeeping of a captured training step.
+
+    A subclass defines :meth:`_body` (the forward and backward on its static buffers, returning
+    its outputs; it reads ``self.capacity``) and calls :meth:`_replay` once its inputs are in
+    place. ``SETTING`` names the params key that turns the graph off (for the messages).
+    """
+
+    SETTING = "cuda_graph"
+    WARMUPS = 2  # eager runs of the body on a side stream before a capture
+
+    def __init__(self, method, required: bool = False):
+        self.method = method
+        self.device = method.device
+        self.required = required
+        self.failed: str | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.capacity = 0
+        self.captures = 0
+        self.overflow_steps = 0
+        self.replays = 0
+        self.events: list[tuple] = []  # the first captures and overflows: (kind, replay, count, budget)
+        self.max_count = 0
+        self._out: tuple | None = None
+        self._grads: list[torch.Tensor] | None = None
+        self._need: int | None = None  # the count the next budget is sized from
+        self._pending: deque = deque()  # (event, pinned count, budget it ran with)
+
+    def _body(self) -> tuple:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ gradients
+    def _bind_grads(self) -> None:
+        """Point every parameter's ``.grad`` at the tensors the graph adds into (zeroed when the
+        optimizer had dropped it, i.e. at the start of a step)."""
+        params = self.method.parameters()
+        if self._grads is None:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self._grads = [p.grad for p in params]
+            return
+        fresh = []
+        for p, g in zip(params, self._grads):
+            if p.grad is None:
+                p.grad = g
+                fresh.append(g)
+            elif p.grad.data_ptr() != g.data_ptr():  # replaced since the capture: carry it over
+                g.copy_(p.grad)
+                p.grad = g
+        if fresh:
+            torch._foreach_zero_(fresh)
+
+    # ------------------------------------------------------------------ counts
+    def observe(self, count: int) -> None:
+        """The count a step needed (sizes the next budget)."""
+        self._need = int(count)
+        self.max_count = max(self.max_count, self._need)
+
+    def _collect(self) -> None:
+        """Read the counts of finished replays; wait for the oldest when the host is too far ahead."""
+        while self._pending:
+            event, host, budget = self._pending[0]
+            if len(self._pending) > MAX_AHEAD:
+                event.synchronize()
+            elif not event.query():
+                break
+            self._pending.popleft()
+            count = int(host)
+            if count > budget:
+                self.overflow_steps += 1
+                self._note("overflow", count, budget)
+            self.observe(count)
+
+    def flush(self) -> int | None:
+        """Wait for every replay and return the latest count (a host sync)."""
+        for event, _, _ in self._pending:
+            event.synchronize()
+        self._collect()
+        return self._need
+
+    def _note(self, kind: str, count: int | None, budget: int) -> None:
+        log.debug("cuda graph %s at replay %d: count %s, budget %d", kind, self.replays, count, budget)
+        if len(self.events) < 40:
+            self.events.append((kind, self.replays, count, budget))
+
+    def _give_up(self, reason: str) -> None:
+        """Eager steps from now on (the failed capture has put the gradients back)."""
+        self.graph, self._out, self.failed = None, None, reason
+        log.warning("the training step could not be captured in a CUDA graph; training continues with eager "
+                    "steps (%s: off silences this): %s", self.SETTING, reason)
+
+    # ------------------------------------------------------------------ capture and replay
+    def _capture(self, capacity: int) -> None:
+        self.graph, self._out = None, None  # frees the old graph's memory pool
+        self.capacity = capacity
+        self._bind_grads()
+        saved = [g.clone() for g in self._grads]  # the warm-ups add into the gradients: put them back
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # first calls allocate workspaces and load kernels: not in the graph
+                for _ in range(self.WARMUPS):
+                    self._body()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self._body()
+        finally:
+            torch._foreach_copy_(self._grads, saved)
+        self.graph, self._out = graph, out
+        self.captures += 1
+        self._note("capture", self._need, capacity)
+
+    def _ensure_captured(self) -> bool:
+        """Capture when there is no graph or the budget no longer fits the counts; False when the
+        capture failed (eager steps from now on, unless the graph is required)."""
+        need = self._need
+        if self.graph is not None and SHRINK_BELOW * self.capacity <= need <= GROW_ABOVE * self.capacity:
+            return True
+        try:
+            self._capture(budget_for(need))
+        except RuntimeError as exc:  # an op that cannot be captured, out of memory, ...
+            if self.required:
+                raise RuntimeError(f"{self.SETTING} is 'on' but capturing the training step failed: {exc}") from exc
+            self._give_up(f"{type(exc).__name__}: {exc}")
+            return False
+        return True
+
+    def _replay(self, count: torch.Tensor) -> None:
+        """Replay the graph; ``count`` (one of its outputs) is read back later (:meth:`_collect`)."""
+        self._bind_grads()
+        self.graph.replay()
+        self.replays += 1
+        host = torch.empty((), dtype=torch.int64, pin_memory=True)
+        host.copy_(count.reshape(()), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((event, host, self.capacity))
