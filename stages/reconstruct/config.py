@@ -7,6 +7,7 @@ from typing import Literal
 from stages.common.params import check
 
 from .gs.densify import DensifyParams
+from .gs.mcmc import MCMCParams
 
 
 @dataclass
@@ -207,8 +208,13 @@ class GaussianParams:
     # budget of tile intersections (gs/graph.py): "auto" where the rasterizer runs CUDA kernels
     # (replicated, overlap_comm off), "on" (an error where it cannot), "off"
     cuda_graph: Literal["auto", "on", "off"] | bool = "auto"
+    # how Gaussians are added and removed: "default", adaptive density control (gs/densify.py, the
+    # reference's and gsplat's DefaultStrategy); "mcmc", 3DGS as MCMC (gs/mcmc.py, gsplat's MCMCStrategy)
+    strategy: Literal["default", "mcmc"] = "default"
     # adaptive density control (gs/densify.py): schedule, thresholds, the Gaussian budget max_gaussians
     densify: DensifyParams = field(default_factory=DensifyParams)
+    # the MCMC strategy's budget, noise, schedule, regularisers and initialisation (gs/mcmc.py)
+    mcmc: MCMCParams = field(default_factory=MCMCParams)
 
     def __post_init__(self) -> None:
         check(0 <= self.sh_degree <= 3, "sh_degree", "must be in 0..3", self.sh_degree)
@@ -256,6 +262,9 @@ class ReconstructParams:
         check(self.distributed.mode != "partitioned" or self.method == "3dgs", "distributed.mode",
               f"partitioned shards 3D Gaussians: needs method 3dgs (method is {self.method!r})",
               self.distributed.mode)
+        check(self.distributed.mode != "partitioned" or self.gs.strategy == "default", "gs.strategy",
+              "mcmc draws from every Gaussian at once: it needs distributed.mode replicated, not partitioned",
+              self.gs.strategy)
 
 
 def migrate_config(config: dict) -> dict:

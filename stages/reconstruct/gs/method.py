@@ -23,6 +23,7 @@ from stages.common.cameras import Intrinsics
 
 from ..methods import resolve_use_kernels, step_optimizers
 from .densify import DensifyStrategy
+from .mcmc import MCMCStrategy, regulariser
 from .model import PARAM_NAMES as NAMES
 from .model import init_gaussians, make_optimizers, scene_extent, sh_degree_at
 
@@ -93,8 +94,10 @@ class GaussianMethod:
             pts = None if scene.points is None else scene.points.to(device)
             rgb = None if scene.point_rgb is None else scene.point_rgb.to(device)
             g = torch.Generator().manual_seed(torch.initial_seed())  # the same Gaussians on every rank
+            mcmc = cfg.strategy == "mcmc"  # its own starting opacity and scale, as gsplat's mcmc preset
             self.gaussians = init_gaussians(pts, rgb, self.aabb, sh_degree=cfg.sh_degree,
-                                            init_opacity=cfg.init_opacity, init_scale=cfg.init_scale,
+                                            init_opacity=cfg.mcmc.init_opacity if mcmc else cfg.init_opacity,
+                                            init_scale=cfg.mcmc.init_scale if mcmc else cfg.init_scale,
                                             n_random=cfg.init_random, generator=g, device=device)
             self.extent = scene_extent(scene.train.c2w)
             source = "sparse points" if pts is not None and len(pts) else f"{cfg.init_random} random in the box"
@@ -121,7 +124,7 @@ class GaussianMethod:
                 eps=1e-15 / math.sqrt(cfg.batch_views), fused=device.type == "cuda")
         gamma = (cfg.means_lr_final / cfg.means_lr) ** (1.0 / max(1, params.steps))
         self.schedulers = {"means": torch.optim.lr_scheduler.ExponentialLR(self.optimizers["means"], gamma)}
-        self.densify = DensifyStrategy(cfg.densify)
+        self.densify = MCMCStrategy(cfg.mcmc) if cfg.strategy == "mcmc" else DensifyStrategy(cfg.densify)
         self.graphed = self._captured_view(cfg.cuda_graph, params)
         self.densify_log: list[dict] = []
         self._has_alpha = False
@@ -234,7 +237,10 @@ class GaussianMethod:
         pred = render[0]
         l1 = (pred - gt).abs().mean()
         ssim = fused_ssim(pred.permute(2, 0, 1)[None], gt.permute(2, 0, 1)[None], use_kernels=self.use_kernels)
-        loss = ((1.0 - lam) * l1 + lam * (1.0 - ssim)) / n
+        loss = (1.0 - lam) * l1 + lam * (1.0 - ssim)
+        if self.cfg.strategy == "mcmc":
+            loss = loss + regulariser(self.gaussians, self.cfg.mcmc)
+        loss = loss / n
         mse = ((pred.detach() - gt) ** 2).mean() / n
         return loss, mse, meta
 
@@ -292,7 +298,10 @@ class GaussianMethod:
             s.step()
 
     def after_step(self, step: int, strategy) -> bool:
-        """Densification statistics of this step's renders; clone, split, prune at refine steps."""
+        """Densification statistics of this step's renders; clone, split, prune at refine steps
+        (MCMC: relocate, grow and move, :meth:`_mcmc_step`)."""
+        if isinstance(self.densify, MCMCStrategy):
+            return self._mcmc_step(step)
         if not self.densify.active(step):  # (forward_backward accumulated the statistics)
             return False
         self.densify.reduce = lambda stats: _reduced(strategy, stats)
@@ -306,6 +315,18 @@ class GaussianMethod:
             self.densify_log.append({"step": step + 1, "gaussians": self.n, "duplicated": out["duplicated"],
                                      "split": out["split"], "pruned": out["pruned"]})
         return bool(changed)
+
+    def _mcmc_step(self, step: int) -> bool:
+        before = self.n
+        lr = self.optimizers["means"].param_groups[0]["lr"]  # after this step's scheduler step, as gsplat
+        out = self.densify.step(step, self.gaussians, self.optimizers, self._shared, lr)
+        if out["budget_hit"]:
+            log.info("3DGS (mcmc): the Gaussian budget (reconstruct.gs.mcmc.cap_max = %d) is reached at step %d; "
+                     "from here on the dead are only relocated", self.cfg.mcmc.cap_max, step + 1)
+        if out["relocated"] or out["added"]:
+            self.densify_log.append({"step": step + 1, "gaussians": self.n, "relocated": out["relocated"],
+                                     "added": out["added"]})
+        return self.n != before  # relocation edits the rows in place: nothing to re-bind
 
     @torch.no_grad()
     def quick_test_psnr(self, views, generator: torch.Generator) -> float | None:
