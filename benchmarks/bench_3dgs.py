@@ -20,6 +20,9 @@ in both loops keeps the comparison about the rasterizer, the densification and t
   in a loop written after gsplat's ``examples/simple_trainer.py`` (its library as users call it;
   Adam fused as ours). gsplat 1.5.3 compiles its CUDA on first use (~83 s): that happens before
   any timing.
+* with ``--set strategy=mcmc``, both sides train 3DGS as MCMC: ours ``gs/mcmc.py``, gsplat its
+  ``MCMCStrategy`` with simple_trainer's opacity and scale regularisers (row ``gsplat-mcmc``), from
+  the same start (``gs.mcmc.init_opacity``, ``init_scale``) and with the same ``gs.mcmc`` values;
 * with ``--gsplat-reset-fix``, gsplat once more with its opacity reset working. 1.5.3's
   DefaultStrategy never resets opacities (``step % reset_every == 0 & step > 0`` parses as a
   chained comparison ending in ``0 > 0``; fixed upstream after 1.5.3, PR #776): a subclass does
@@ -105,7 +108,8 @@ def run_ours(scene, steps: int, device, over: dict | None = None, ply: Path | No
         from stages.reconstruct.gs.ply import save_ply
 
         save_ply(ply, m.state_dict()["params"])
-    out = {"impl": "rayforge", "train_s": res.train_time_s, "gaussians": m.n, "peak_gb": peak / 1e9,
+    out = {"impl": "rayforge" + ("-mcmc" if params.gs.strategy == "mcmc" else ""), "train_s": res.train_time_s,
+           "gaussians": m.n, "peak_gb": peak / 1e9,
            "skipped_steps": res.skipped_steps, "cuda_graph": m.summary().get("cuda_graph")}
     out.update(evaluate(lambda intr, c2w: m.render_image(intr, c2w), scene, device))
     return out
@@ -140,7 +144,7 @@ def _reset_fixed_strategy():
 def run_gsplat(scene, steps: int, device, over: dict | None = None, reset_fix: bool = False) -> dict:
     """gsplat's library in a loop after its examples/simple_trainer.py, with our shared pieces."""
     import gsplat
-    from gsplat.strategy import DefaultStrategy
+    from gsplat.strategy import DefaultStrategy, MCMCStrategy
 
     from kernels.ssim import ssim as fused_ssim
     from stages.reconstruct.gs.method import ViewSampler, _Views
@@ -152,8 +156,11 @@ def run_gsplat(scene, steps: int, device, over: dict | None = None, reset_fix: b
     g0 = torch.Generator().manual_seed(torch.initial_seed())
     pts = None if scene.points is None else scene.points.to(device)
     rgb = None if scene.point_rgb is None else scene.point_rgb.to(device)
-    init = init_gaussians(pts, rgb, scene.aabb.to(device), sh_degree=cfg.sh_degree, init_opacity=cfg.init_opacity,
-                          init_scale=cfg.init_scale, n_random=cfg.init_random, generator=g0, device=device)
+    mcmc = cfg.strategy == "mcmc"  # gsplat's MCMCStrategy beside ours, with the mcmc preset's start
+    init = init_gaussians(pts, rgb, scene.aabb.to(device), sh_degree=cfg.sh_degree,
+                          init_opacity=cfg.mcmc.init_opacity if mcmc else cfg.init_opacity,
+                          init_scale=cfg.mcmc.init_scale if mcmc else cfg.init_scale, n_random=cfg.init_random,
+                          generator=g0, device=device)
     extent = scene_extent(scene.train.c2w)
     splats = torch.nn.ParameterDict({k: torch.nn.Parameter(v.detach().clone()) for k, v in init.items()})
     lrs = {"means": cfg.means_lr * extent, "scales": cfg.scales_lr, "quats": cfg.quats_lr,
@@ -161,9 +168,17 @@ def run_gsplat(scene, steps: int, device, over: dict | None = None, reset_fix: b
     optimizers = {k: torch.optim.Adam([{"params": splats[k], "lr": lr, "name": k}], eps=1e-15, fused=True)
                   for k, lr in lrs.items()}
     sched = torch.optim.lr_scheduler.ExponentialLR(optimizers["means"], (cfg.means_lr_final / cfg.means_lr) ** (1 / steps))
-    strategy = _reset_fixed_strategy() if reset_fix else DefaultStrategy(verbose=False)
-    strategy.check_sanity(splats, optimizers)
-    state = strategy.initialize_state(scene_scale=extent)
+    if mcmc:
+        mc = cfg.mcmc
+        strategy = MCMCStrategy(cap_max=mc.cap_max, noise_lr=mc.noise_lr, refine_start_iter=mc.refine_start,
+                                refine_stop_iter=mc.refine_stop, refine_every=mc.refine_every,
+                                min_opacity=mc.min_opacity)
+        strategy.check_sanity(splats, optimizers)
+        state = strategy.initialize_state()
+    else:
+        strategy = _reset_fixed_strategy() if reset_fix else DefaultStrategy(verbose=False)
+        strategy.check_sanity(splats, optimizers)
+        state = strategy.initialize_state(scene_scale=extent)
 
     shard = seeded_generator(SEED, 0, device)  # the pipeline's shard 0 stream: same view order, same backgrounds
     views = _Views(scene.train.to(device), ViewSampler(len(scene.train), shard), device)  # as ours reads them
@@ -188,17 +203,24 @@ def run_gsplat(scene, steps: int, device, over: dict | None = None, reset_fix: b
             torch.cat([splats["sh0"], splats["shN"]], 1), views.viewmats[i:i + 1], views.Ks[i:i + 1],
             intr.width, intr.height, sh_degree=sh_degree, packed=False,
             backgrounds=bg[None], near_plane=cfg.near, far_plane=cfg.far)
-        strategy.step_pre_backward(splats, optimizers, state, step, info)
+        if not mcmc:
+            strategy.step_pre_backward(splats, optimizers, state, step, info)
         pred = colors[0]
         l1 = (pred - gt).abs().mean()
         ssim = fused_ssim(pred.permute(2, 0, 1)[None], gt.permute(2, 0, 1)[None])
         loss = (1 - cfg.ssim_lambda) * l1 + cfg.ssim_lambda * (1 - ssim)
+        if mcmc:  # simple_trainer's regularisers for MCMC
+            loss = (loss + cfg.mcmc.opacity_reg * torch.sigmoid(splats["opacities"]).mean()
+                    + cfg.mcmc.scale_reg * torch.exp(splats["scales"]).mean())
         loss.backward()
         for opt in optimizers.values():
             opt.step()
             opt.zero_grad(set_to_none=True)
         sched.step()
-        strategy.step_post_backward(splats, optimizers, state, step, info, packed=False)
+        if mcmc:
+            strategy.step_post_backward(splats, optimizers, state, step, info, lr=sched.get_last_lr()[0])
+        else:
+            strategy.step_post_backward(splats, optimizers, state, step, info, packed=False)
     torch.cuda.synchronize()
     train_s = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(device)
@@ -212,7 +234,7 @@ def run_gsplat(scene, steps: int, device, over: dict | None = None, reset_fix: b
             backgrounds=eval_bg[None], near_plane=cfg.near, far_plane=cfg.far)
         return out[0]
 
-    out = {"impl": "gsplat+reset" if reset_fix else "gsplat", "train_s": train_s,
+    out = {"impl": ("gsplat+reset" if reset_fix else "gsplat") + ("-mcmc" if mcmc else ""), "train_s": train_s,
            "gaussians": int(splats["means"].shape[0]), "peak_gb": peak / 1e9}
     out.update(evaluate(render, scene, device))
     return out
@@ -280,13 +302,15 @@ def main(argv: list[str] | None = None) -> int:
         for steps in args.steps:
             sides = [] if args.only == "gsplat" else ["rayforge"] + (["rayforge-eager"] if args.eager else [])
             if have_gsplat:
-                sides += ["gsplat", "gsplat+reset"] if args.gsplat_reset_fix else ["gsplat"]
+                reset_row = args.gsplat_reset_fix and over.get("strategy") != "mcmc"  # MCMC resets nothing
+                sides += ["gsplat", "gsplat+reset"] if reset_row else ["gsplat"]
             for impl in sides:
                 ply = None if args.save_ply is None else args.save_ply / f"{name}_{steps}.ply"
                 if impl == "rayforge":
                     row = run_ours(scene, steps, device, over, ply)
                 elif impl == "rayforge-eager":
-                    row = {**run_ours(scene, steps, device, {**over, "cuda_graph": "off"}), "impl": impl}
+                    row = run_ours(scene, steps, device, {**over, "cuda_graph": "off"})
+                    row["impl"] += "-eager"
                 else:
                     row = run_gsplat(scene, steps, device, over, reset_fix=impl == "gsplat+reset")
                 row.update(scene=name, steps=steps)
@@ -297,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| scene | steps | impl | train s | time vs gsplat | PSNR | SSIM | Gaussians | peak GB | FPS |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ref = next((x for x in rows if x["impl"] == "gsplat" and x["scene"] == r["scene"] and x["steps"] == r["steps"]),
+        ref = next((x for x in rows if x["impl"] in ("gsplat", "gsplat-mcmc") and x["scene"] == r["scene"]
+                    and x["steps"] == r["steps"]),
                    None)
         ratio = f"{r['train_s'] / ref['train_s']:.2f}x" if ref else ""
         print(f"| {r['scene']} | {r['steps']} | {r['impl']} | {r['train_s']:.1f} | {ratio} | {r['psnr']:.2f} | "

@@ -22,8 +22,11 @@ twice, once per way of sorting the M camera|tile keys (after a depth sort of the
 torch.sort (stable, all 32 bits, an int64 permutation) and our own radix sort (only the keys' bits,
 key/value pairs; kernels/_gs_cuda.py SORT picks the default), and once more with validate=False, as
 the training loop calls it (the public default checks the values: one kernel and a host read that
-waits for the GPU, which gsplat does not do). gsplat 1.5.3 compiles its CUDA on
-first use (~83 s on the H200): that is done, and reported, before any timing.
+waits for the GPU, which gsplat does not do). Two more rows of ours: with a fixed budget of tile
+intersections (``capacity``, 30 % above the count: no host read at all), and that call's forward
+and backward captured in a CUDA graph and replayed, as the 3DGS training step runs them (forward
++ backward only). gsplat 1.5.3 compiles its CUDA on first use (~83 s on the H200): that is done,
+and reported, before any timing.
 """
 from __future__ import annotations
 
@@ -176,6 +179,40 @@ def timed(fn_forward, params, cotangent, warmup, repeats):
             "fwd_bwd_ms": statistics.median(both), "peak_mib": peak}
 
 
+def timed_graph(fn_forward, params, cotangent, warmup, repeats):
+    """Median forward+backward ms of ``fn_forward`` (no host reads) captured once in a CUDA graph and
+    replayed, as the 3DGS training step runs it (stages/reconstruct/gs/graph.py)."""
+    for p in params:
+        p.grad = torch.zeros_like(p)  # the graph adds into these
+
+    def body():
+        (fn_forward() * cotangent).sum().backward()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    times = []
+    for i in range(warmup + repeats):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(a.elapsed_time(b))
+    del graph
+    for p in params:
+        p.grad = None
+    torch.cuda.synchronize()
+    return {"forward_ms": None, "backward_ms": None, "fwd_bwd_ms": statistics.median(times), "peak_mib": None}
+
+
 def stage_times(params, view, Ks, sh_degree, repeats):
     """Median ms of our pipeline's stages (forward), each run to completion alone; the binning with
     each sort."""
@@ -282,6 +319,14 @@ def main(argv=None) -> int:
             return kernels.rasterization(*params, view, Ks, WIDTH, HEIGHT, sh_degree=args.sh_degree,
                                          validate=False)[0]
 
+        with torch.no_grad():  # a budget 30 % above this view's count, as the training step sizes it
+            budget = int(1.3 * kernels.rasterization(*params, view, Ks, WIDTH, HEIGHT, sh_degree=args.sh_degree,
+                                                     validate=False)[2]["n_intersections"]) + 1
+
+        def ours_budget():  # no host read at all: buffers of a fixed size (kernels.rasterization(capacity=...))
+            return kernels.rasterization(*params, view, Ks, WIDTH, HEIGHT, sh_degree=args.sh_degree,
+                                         validate=False, capacity=budget)[0]
+
         def theirs():
             return gsplat.rasterization(*params, view, Ks, WIDTH, HEIGHT, sh_degree=args.sh_degree, packed=False)[0]
 
@@ -299,12 +344,15 @@ def main(argv=None) -> int:
             _gs_cuda.SORT = sort
             row[f"ours_{sort}_sort"] = timed(ours, params, cot, args.warmup, args.repeats)
         row["ours_torch_sort_unvalidated"] = timed(ours_unchecked, params, cot, args.warmup, args.repeats)
+        row["ours_budget"] = timed(ours_budget, params, cot, args.warmup, args.repeats)
+        row["ours_cuda_graph"] = timed_graph(ours_budget, params, cot, args.warmup, args.repeats)
         row["gsplat"] = timed(theirs, params, cot, args.warmup, args.repeats)
         row["ours_stages"] = stage_times(params, view, Ks, args.sh_degree, args.repeats)
         _gs_cuda.SORT = default_sort
-        for key in ("torch_sort", "radix_sort", "torch_sort_unvalidated"):
+        for key in ("torch_sort", "radix_sort", "torch_sort_unvalidated", "budget", "cuda_graph"):
             ours_t = row[f"ours_{key}"]
-            row[f"ratio_{key}"] = {k: ours_t[k] / row["gsplat"][k] for k in ours_t if row["gsplat"][k]}
+            row[f"ratio_{key}"] = {k: ours_t[k] / row["gsplat"][k] for k in ours_t
+                                   if ours_t[k] is not None and row["gsplat"][k]}
         results.append(row)
         _print_row(row)
         del params, means, quats, scales, opac, sh
@@ -334,6 +382,12 @@ def _print_row(row: dict) -> None:
     u, ru = row["ours_torch_sort_unvalidated"], row["ratio_torch_sort_unvalidated"]
     print(f"  ours with validate=False (the training loop's call, no host read): fwd {u['forward_ms']:.3f} / "
           f"fwd+bwd {u['fwd_bwd_ms']:.3f} ms, {ru['fwd_bwd_ms']:.2f}x gsplat")
+    u, ru = row["ours_budget"], row["ratio_budget"]
+    print(f"  ours with a fixed budget (no host read): fwd {u['forward_ms']:.3f} / fwd+bwd {u['fwd_bwd_ms']:.3f} ms, "
+          f"{ru['fwd_bwd_ms']:.2f}x gsplat")
+    u, ru = row["ours_cuda_graph"], row["ratio_cuda_graph"]
+    print(f"  ours, fwd+bwd replayed in a CUDA graph (the training step's way): {u['fwd_bwd_ms']:.3f} ms, "
+          f"{ru['fwd_bwd_ms']:.2f}x gsplat's eager call")
     s = row["ours_stages"]
     print(f"  ours, forward stages ms: projection {s['projection_ms']:.3f}, SH {s['sh_ms']:.3f}, binning "
           f"{s['binning_torch_sort_ms']:.3f} (torch.sort) / {s['binning_radix_sort_ms']:.3f} (radix), "

@@ -5,9 +5,10 @@
 # <poses_dir> is a poses-stage out (e.g. data/poses of the default scene). Prints tables and
 # writes metrics JSON/CSV into <out_dir>. Needs torch with CUDA; no DVC, pycolmap or open3d.
 set -uo pipefail
-# SECTIONS picks what runs (default: all): kernels render quality scaling overhead sync nccl
+# SECTIONS picks what runs (default: all): kernels render quality scaling overhead sync nccl gs
+# (gs: 3DGS beside gsplat 1.5.3, which must be importable; LEGO_POSES / FERN_POSES / FOX_POSES pick the scenes)
 POSES=${1:?poses dir}; OUT=${2:?out dir}; mkdir -p "$OUT"
-SECTIONS=${SECTIONS:-kernels render quality scaling overhead sync nccl}
+SECTIONS=${SECTIONS:-kernels render quality scaling overhead sync nccl gs}
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -88,5 +89,18 @@ if [ "$NGPU" -ge 2 ] && want nccl; then
   for algo in Ring Tree; do
     NCCL_ALGO=$algo timeout 60 python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_allreduce.py 2>&1 | grep -E "GB/s|Error" | tail -2
   done
+fi
+if want gs; then
+  echo "== 6. 3DGS: CUDA-graph views and MCMC on this GPU, then ours (graphed and eager) beside gsplat and gsplat+reset at 7k"
+  timeout 240 python3 -m pytest tests/test_gs_graph.py tests/test_gs_mcmc.py tests/test_gs_method.py -m gpu -q \
+    -p no:cacheprovider 2>&1 | tail -3
+  gs_scenes="--poses default=$POSES"
+  [ -n "${LEGO_POSES:-}" ] && gs_scenes="--poses lego=$LEGO_POSES"
+  [ -n "${FERN_POSES:-}" ] && gs_scenes="$gs_scenes --poses fern=$FERN_POSES"
+  [ -n "${FOX_POSES:-}" ] && gs_scenes="$gs_scenes --poses fox=$FOX_POSES"
+  timeout 600 python3 benchmarks/bench_3dgs.py $gs_scenes --steps 7000 --gsplat-reset-fix --eager \
+    --json "$OUT/gs_vs_gsplat_7k.json" --save-ply "$OUT/ply" 2>&1 | grep -E "^\||steps:|Error|Traceback"
+  ply=$(ls "$OUT"/ply/*_7000.ply 2>/dev/null | head -1)
+  [ -n "$ply" ] && timeout 120 python3 benchmarks/bench_rasterizer.py --ply "$ply" --json "$OUT/rasterizer.json" 2>&1 | tail -12
 fi
 echo "== done"

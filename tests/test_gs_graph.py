@@ -157,3 +157,16 @@ def test_training_with_the_graph_keeps_pace_with_eager_training(tmp_path, cuda):
     assert on.rebinds >= 1 and off.rebinds >= 1 and on.skipped_steps == 0
     assert on.rows[-1]["loss"] < 0.75 * on.rows[0]["loss"]
     assert abs(on.rows[-1]["psnr"] - off.rows[-1]["psnr"]) < 1.0, (on.rows[-1], off.rows[-1])
+
+
+def test_views_of_several_sizes_render_eagerly(tmp_path):
+    """A graph holds one image size: with several the method drops it rather than capture again at
+    almost every step (checked on the CPU by handing the method a stand-in graph)."""
+    scene = load_scene(splat_poses(tmp_path, views=4))
+    m = GaussianMethod(gs_params(), scene.aabb, torch.device("cpu"), scene=scene)
+    m.graphed = object()
+    m.make_sampler(scene.train, torch.Generator().manual_seed(0))
+    assert m.graphed is not None  # one size: kept
+    scene.train.cameras.width[1] += 16  # a second image size (only the cameras are read here)
+    m.make_sampler(scene.train, torch.Generator().manual_seed(0))
+    assert m.graphed is None

@@ -189,7 +189,14 @@ class GaussianMethod:
             # RGBA views with no known colour: evaluation composites them on white (evaluate stage), so
             # the trained model renders onto white too (training itself draws random colours)
             self.background = torch.ones(3, device=self.device)
-        return _Views(views, ViewSampler(len(views), generator), self.device)
+        out = _Views(views, ViewSampler(len(views), generator), self.device)
+        sizes = {(k.width, k.height) for k in out.intrs}
+        if self.graphed is not None and len(sizes) > 1:
+            # a graph holds one image size: views of several would capture again at almost every step
+            log.info("3DGS: the training views come in %d image sizes; each view renders eagerly, without a "
+                     "CUDA graph", len(sizes))
+            self.graphed = None
+        return out
 
     def step_pre_forward(self, step: int, generator: torch.Generator) -> None:
         """Remember the step (the SH degree follows it) and the generator every rank shares (split samples)."""
