@@ -16,7 +16,8 @@ normalized frame of ``<poses>/transforms.json``:
   ``seed``), rendered, and those with opacity >= ``export.min_opacity`` kept as the point where the
   ray terminates (origin + direction x depth / opacity) with the rendered colour;
 * 3DGS, ``gaussians.ply``: the Gaussians in the layout 3DGS viewers read
-  (``stages.reconstruct.gs.ply.save_ply``);
+  (``stages.reconstruct.gs.ply.save_ply``), with the colour the model renders onto (a learned sky,
+  white for RGBA scenes) as a header comment and in ``export.json``;
 * ``export.json``: what was written, with counts, the density range of the grid and timings.
 """
 from __future__ import annotations
@@ -230,8 +231,11 @@ def export_gaussians(state: dict, tmp: Path) -> dict:
         from stages.reconstruct.gs.ply import save_ply
     except ImportError as exc:
         raise ValueError(f"exporting a 3DGS model needs stages.reconstruct.gs.ply.save_ply ({exc})") from None
-    save_ply(tmp / "gaussians.ply", state["params"])
-    return {"gaussians": {"file": "gaussians.ply", "count": int(state["params"]["means"].shape[0])}}
+    bg = state.get("background")  # the colour the model renders onto; -1s (or absent): black, none stored
+    rgb = None if bg is None or float(torch.as_tensor(bg).min()) < 0 else [float(v) for v in torch.as_tensor(bg)]
+    save_ply(tmp / "gaussians.ply", state["params"], background=rgb)
+    return {"gaussians": {"file": "gaussians.ply", "count": int(state["params"]["means"].shape[0]),
+                          "background": rgb}}
 
 
 def run(params: ExportParams, model_dir: str | Path, poses_dir: str | Path, out_dir: str | Path, seed: int = 0,

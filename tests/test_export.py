@@ -123,9 +123,38 @@ def test_3dgs_model_exports_its_gaussians(tmp_path: Path) -> None:
     torch.save({"format": MODEL_FORMAT, "method": "3dgs", "config": {}, "aabb": torch.tensor([[-1.0] * 3, [1.0] * 3]),
                 "state": {"params": params, "sh_degree": sh_degree, "version": 1}}, tmp_path / "model" / "model.pt")
     summary = E.run(E.ExportParams(), tmp_path / "model", tmp_path, tmp_path / "export", progress=False)
-    assert summary["gaussians"] == {"file": "gaussians.ply", "count": n}
+    assert summary["gaussians"] == {"file": "gaussians.ply", "count": n, "background": None}
+    assert ply.read_background(tmp_path / "export" / "gaussians.ply") is None
     head = (tmp_path / "export" / "gaussians.ply").read_bytes()[:4000]
     assert head.startswith(b"ply") and b"element vertex 50" in head and b"f_dc_0" in head and b"rot_3" in head
     if hasattr(ply, "load_ply"):
         back = ply.load_ply(tmp_path / "export" / "gaussians.ply")
         torch.testing.assert_close(back["means"], params["means"])
+
+
+def test_a_3dgs_models_background_travels_with_its_gaussians(tmp_path: Path) -> None:
+    """The colour the model renders onto (a learned sky) goes into export.json and the PLY header's
+    comment, which 3DGS viewers skip; the Gaussians still read back bit-exactly."""
+    from stages.reconstruct import MODEL_FORMAT
+    from stages.reconstruct.gs import ply
+
+    n = 20
+    g = torch.Generator().manual_seed(1)
+    params = {"means": torch.randn(n, 3, generator=g), "quats": torch.randn(n, 4, generator=g),
+              "scales": torch.randn(n, 3, generator=g) - 3, "opacities": torch.randn(n, generator=g),
+              "sh0": torch.randn(n, 1, 3, generator=g), "shN": torch.randn(n, 3, 3, generator=g)}
+    bg = torch.tensor([0.8588, 0.902, 0.949])
+    (tmp_path / "model").mkdir()
+    torch.save({"format": MODEL_FORMAT, "method": "3dgs", "config": {}, "aabb": torch.tensor([[-1.0] * 3, [1.0] * 3]),
+                "state": {"params": params, "sh_degree": 1, "version": 1, "background": bg}},
+               tmp_path / "model" / "model.pt")
+    summary = E.run(E.ExportParams(), tmp_path / "model", tmp_path, tmp_path / "export", progress=False)
+    out = tmp_path / "export" / "gaussians.ply"
+    assert summary["gaussians"]["background"] == pytest.approx(bg.tolist())
+    assert ply.read_background(out) == pytest.approx(bg.tolist(), abs=1e-8)
+    back = ply.load_ply(out)
+    for k in params:
+        assert torch.equal(back[k], params[k]), k
+    with pytest.raises(ValueError, match=r"background must be 3 values in \[0, 1\]"):
+        ply.save_ply(tmp_path / "bad.ply", params, background=[0.5, 1.5, 0.0])
+    assert not (tmp_path / "bad.ply").exists()

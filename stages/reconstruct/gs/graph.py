@@ -11,8 +11,9 @@ What a graph needs, and how it gets it here:
 
 - No host reads: the binning gets a fixed budget of tile intersections (``kernels.rasterization(
   capacity=...)``), sized from the counts of earlier views (:mod:`stages.reconstruct.cuda_graph`:
-  the largest of the last :data:`WINDOW` views, 30 % above). A view that needs more than the budget
-  leaves out the farthest Gaussians' tiles; such views are counted in ``overflow_steps``.
+  the largest of the last :data:`WINDOW` views, 30 % above; scaled up with the Gaussian count when
+  densification grows it). A view that needs more than the budget leaves out the farthest
+  Gaussians' tiles; such views are counted in ``overflow_steps``.
 - Fixed addresses: the view's image, camera and background colour are copied into static
   buffers; the Gaussians are updated in place by the optimizers. Densification replaces them, so
   the graph is keyed by their addresses and count and captured again after each refinement (every
@@ -55,6 +56,7 @@ class CapturedView(GraphStep):
         self._static: dict[str, torch.Tensor] = {}
         self._counts: deque = deque(maxlen=WINDOW)
         self._size = (0, 0, 1)
+        self._n = 0  # Gaussians when the key last changed
 
     def observe(self, count) -> None:
         self._counts.append(int(count))
@@ -78,6 +80,13 @@ class CapturedView(GraphStep):
         key = (tuple(image.shape), image.dtype, bg is None, n, m.sh_degree(m._step), m.n,
                tuple(p.data_ptr() for p in params))
         if key != self.key:  # new Gaussians, SH degree or image size: a new graph (the counts carry over)
+            if self.key is not None and m.n > self._n and self._counts:
+                # grown by densification: intersections grow about as the Gaussians do (clones cover the
+                # same tiles), so the counts seen so far are scaled up rather than overflow until new ones come
+                grow = m.n / max(self._n, 1)
+                self._counts = deque((int(c * grow) for c in self._counts), maxlen=WINDOW)
+                self._need = max(self._counts)
+            self._n = m.n
             self.graph, self._out, self._grads, self.key = None, None, None, key
             if tuple(self._static.get("image", torch.empty(0)).shape) != tuple(image.shape) or (
                     bg is None) != ("bg" not in self._static):

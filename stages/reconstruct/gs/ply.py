@@ -5,7 +5,8 @@ properties ``x y z nx ny nz f_dc_0..2 f_rest_0..M-1 opacity scale_0..2 rot_0..3`
 (pre-activation) values: log scales, logit opacity, unnormalised quaternion (w, x, y, z). Normals are
 zero. ``f_rest`` is channel-major: all higher coefficients of red, then green, then blue
 (``f_rest_{c * (K - 1) + k}`` = ``shN[:, k, c]``), so M = 3 (K - 1) = 0, 9, 24 or 45 for SH degrees
-0..3. gsplat's exporter writes the same order (without the normals).
+0..3. gsplat's exporter writes the same order (without the normals). The colour the model renders
+onto, where it has one, rides in the header as ``comment background r g b`` (:func:`read_background`).
 """
 from __future__ import annotations
 
@@ -70,8 +71,12 @@ def _columns(params: Mapping[str, Tensor]) -> tuple[Tensor, int]:
     return rows, degree
 
 
-def save_ply(path: str | Path, params: Mapping[str, Tensor]) -> None:
+def save_ply(path: str | Path, params: Mapping[str, Tensor], background=None) -> None:
     """Write the Gaussians to ``path`` atomically (a temporary file, then a rename).
+
+    ``background``: the colour the model renders onto (3 values in [0, 1]: the learned sky of a
+    capture, white for RGBA scenes), kept as a header comment ``comment background r g b`` that
+    viewers skip and :func:`read_background` reads; None writes no comment.
 
     Args:
         path: the ``.ply`` file to write.
@@ -83,7 +88,13 @@ def save_ply(path: str | Path, params: Mapping[str, Tensor]) -> None:
     """
     rows, degree = _columns(params)
     names = property_names(degree)
-    header = ["ply", "format binary_little_endian 1.0", f"element vertex {rows.shape[0]}"]
+    header = ["ply", "format binary_little_endian 1.0"]
+    if background is not None:
+        rgb = [float(v) for v in (background.tolist() if isinstance(background, Tensor) else background)]
+        if len(rgb) != 3 or not all(0.0 <= v <= 1.0 for v in rgb):
+            raise ValueError(f"background must be 3 values in [0, 1], got {rgb}")
+        header.append("comment background " + " ".join(f"{v:.9g}" for v in rgb))
+    header.append(f"element vertex {rows.shape[0]}")
     header += [f"property float {name}" for name in names] + ["end_header"]
     body = rows.numpy().astype(_FLOAT, copy=False).tobytes()
     atomic_write_bytes(path, ("\n".join(header) + "\n").encode("ascii") + body)
@@ -138,6 +149,22 @@ def _vertex_table(data: bytes, path: Path) -> np.ndarray:
                          f"after the header, the file has {len(data) - offset}"
                          + (" (truncated)" if len(data) < need else " (trailing bytes)"))
     return np.frombuffer(data, dtype=table, count=count, offset=offset)
+
+
+def read_background(path: str | Path) -> tuple[float, float, float] | None:
+    """The ``comment background r g b`` of a file :func:`save_ply` wrote, or None without one."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        head = f.read(_HEADER_LIMIT)
+    end = head.find(b"end_header")
+    for line in head[:end if end >= 0 else 0].decode("ascii", errors="replace").splitlines():
+        words = line.split()
+        if words[:2] == ["comment", "background"] and len(words) == 5:
+            try:
+                return tuple(float(w) for w in words[2:])
+            except ValueError:
+                raise ValueError(f"{path}: cannot read the background comment {line.strip()!r}") from None
+    return None
 
 
 def load_ply(path: str | Path) -> dict[str, Tensor]:
