@@ -45,6 +45,7 @@ class GraphStep:
 
     SETTING = "cuda_graph"
     WARMUPS = 2  # eager runs of the body on a side stream before a capture
+    MAX_BUDGET: int | None = None  # the largest budget the body accepts (None: no limit)
 
     def __init__(self, method, required: bool = False):
         self.method = method
@@ -155,8 +156,11 @@ class GraphStep:
         need = self._need
         if self.graph is not None and SHRINK_BELOW * self.capacity <= need <= GROW_ABOVE * self.capacity:
             return True
+        budget = budget_for(need)
+        if self.MAX_BUDGET is not None:
+            budget = min(budget, self.MAX_BUDGET)
         try:
-            self._capture(budget_for(need))
+            self._capture(budget)
         except RuntimeError as exc:  # an op that cannot be captured, out of memory, ...
             if self.required:
                 raise RuntimeError(f"{self.SETTING} is 'on' but capturing the training step failed: {exc}") from exc

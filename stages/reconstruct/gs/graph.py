@@ -30,6 +30,8 @@ from collections import deque
 
 import torch
 
+from kernels.gaussians import MAX_INTERSECTIONS
+
 from ..cuda_graph import GraphStep
 
 WINDOW = 64  # views whose intersection counts size the budget
@@ -49,6 +51,7 @@ class CapturedView(GraphStep):
 
     SETTING = "reconstruct.gs.cuda_graph"
     WARMUPS = 1  # the kernels are loaded by the eager view before the first capture
+    MAX_BUDGET = MAX_INTERSECTIONS  # the int32 index of flatten_ids
 
     def __init__(self, method, required: bool = False):
         super().__init__(method, required)
