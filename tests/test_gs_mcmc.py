@@ -171,3 +171,20 @@ def test_two_gloo_workers_move_their_gaussians_identically(poses, tmp_path):
 def test_mcmc_is_refused_in_partitioned_mode():
     with pytest.raises(ParamsError, match="mcmc draws from every Gaussian at once"):
         gs_params(merge(MCMC, {"distributed": {"mode": "partitioned"}}))
+
+
+@pytest.mark.gpu
+def test_gpu_mcmc_trains_through_the_kernels_and_the_graph(tmp_path):
+    """On a GPU: MCMC with the rasterizer's kernels and the CUDA-graph views (relocation in place
+    keeps the graph; growth captures it again). On the CPU the same run goes 0.505 -> 0.312."""
+    import kernels
+    from test_gs_method import splat_poses
+
+    if not torch.cuda.is_available() or not kernels.available():
+        pytest.skip("needs a CUDA GPU with the kernels")
+    res = train(gs_params(merge(MCMC, {"device": "cuda", "steps": 120})), load_scene(splat_poses(tmp_path)),
+                torch.device("cuda"), 0, progress=False)
+    graph = res.method.summary()["cuda_graph"]
+    assert graph is not None and graph["failed"] is None and graph["replays"] >= 100
+    assert res.rows[-1]["loss"] < 0.8 * res.rows[0]["loss"] and res.skipped_steps == 0
+    assert 400 < res.method.n <= 600 and graph["captures"] >= 1 + res.rebinds
