@@ -54,6 +54,37 @@ def test_a_budget_is_a_positive_int():
         kernels.rasterization(means, quats, scales, opac, sh, views, Ks, 32, 24, sh_degree=3, capacity=0)
 
 
+def test_the_budget_follows_the_gaussians_when_densification_grows_them(tmp_path):
+    """The counts that size the budget: the largest of the last views; scaled up with the Gaussian
+    count when densification grows it, not scaled down when it prunes. (On the CPU the view stops
+    after this bookkeeping: ``failed`` is set, so nothing is captured.)"""
+    from stages.reconstruct.gs.densify import append_rows, remove_rows
+    from stages.reconstruct.gs.graph import WINDOW, CapturedView
+
+    scene = load_scene(splat_poses(tmp_path, views=4))
+    m = GaussianMethod(gs_params(), scene.aabb, torch.device("cpu"), scene=scene)
+    views = m.make_sampler(scene.train, torch.Generator().manual_seed(0))
+    view = CapturedView(m)
+    view.failed = "the CPU: bookkeeping only"
+    args = (views.image(0), views.viewmats[:1], views.Ks[:1], None, 1)
+    assert view(*args) is None and view._need is None
+    for count in (1000, 1200, 900):
+        view.observe(count)
+    assert view._need == 1200 and view.max_count == 1200
+    view(*args)  # the same Gaussians: the same counts
+    assert view._need == 1200
+    n = m.n
+    append_rows(m.gaussians, m.optimizers, {k: p.detach().clone() for k, p in m.gaussians.items()})
+    view(*args)  # twice as many Gaussians: twice the intersections expected
+    assert m.n == 2 * n and view._need == 2400 and sorted(view._counts) == [1800, 2000, 2400]
+    remove_rows(m.gaussians, m.optimizers, torch.arange(m.n) < n)
+    view(*args)  # pruned: kept until the window's new counts come in
+    assert view._need == 2400
+    for _ in range(WINDOW):
+        view.observe(500)
+    assert view._need == 500
+
+
 # ---------------------------------------------------------------------------- GPU: the budget
 
 
