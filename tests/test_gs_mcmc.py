@@ -18,27 +18,14 @@ from stages.reconstruct.gs.model import init_gaussians, make_optimizers
 from stages.reconstruct.train import train
 
 from _dvc_project import merge
-from test_distributed import make_poses, run_stage, stage_cmd, write_params
-from test_gs_method import GS_TINY, gs_params
+from test_distributed import run_stage, stage_cmd, write_params
+from test_gs_method import GS_TINY, gs_params, one_thread, poses  # noqa: F401 (fixtures)
 
 # gsplat's mcmc preset starts small and half opaque (0.1 x the neighbour distance, opacity 0.5); at
 # 64x48 and 400 random Gaussians that learns slowly (120 steps: loss 0.330 -> 0.274, test PSNR
 # 11.97 -> 13.13 dB), so the tiny runs start as the default strategy does (0.222, 15.65 dB)
 MCMC = {"gs": {"strategy": "mcmc", "mcmc": {"cap_max": 600, "refine_start": 10, "refine_every": 10,
                                             "refine_stop": 50, "init_opacity": 0.1, "init_scale": 1.0}}}
-
-
-@pytest.fixture(scope="module")
-def poses(tmp_path_factory):
-    return make_poses(tmp_path_factory.mktemp("mcmc"), views=10)
-
-
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ---------------------------------------------------------------------------- the rule

@@ -38,9 +38,10 @@ def budget_for(count: int) -> int:
 class GraphStep:
     """The budget, gradient and capture bookkeeping of a captured training step.
 
-    A subclass defines :meth:`_body` (the forward and backward on its static buffers, returning
-    its outputs; it reads ``self.capacity``) and calls :meth:`_replay` once its inputs are in
-    place. ``SETTING`` names the params key that turns the graph off (for the messages).
+    A subclass keeps its input buffers in ``self._static`` and defines :meth:`_body` (the forward
+    and backward on them, returning a tuple whose third item is the count the budget is for; it
+    reads ``self.capacity``); its call hands the step's inputs to :meth:`_run`. ``SETTING``
+    names the params key that turns the graph off (for the messages).
     """
 
     SETTING = "cuda_graph"
@@ -63,6 +64,7 @@ class GraphStep:
         self._grads: list[torch.Tensor] | None = None
         self._need: int | None = None  # the count the next budget is sized from
         self._pending: deque = deque()  # (event, pinned count, budget it ran with)
+        self._static: dict[str, torch.Tensor] = {}  # the body's inputs, at fixed addresses
 
     def _body(self) -> tuple:
         raise NotImplementedError
@@ -167,6 +169,23 @@ class GraphStep:
             self._give_up(f"{type(exc).__name__}: {exc}")
             return False
         return True
+
+    def _run(self, inputs: dict[str, torch.Tensor | None]) -> tuple | None:
+        """Copy ``inputs`` into the static buffers of the same names (None: not used), capture
+        if the budget calls for it, replay; the body's outputs, or None where the caller must run
+        the step eagerly (no count seen yet, or no graph)."""
+        if self.failed is not None:
+            return None
+        self._collect()
+        if self._need is None:
+            return None
+        for name, value in inputs.items():
+            if value is not None:
+                self._static[name].copy_(value, non_blocking=True)
+        if not self._ensure_captured():
+            return None
+        self._replay(self._out[2])
+        return self._out
 
     def _replay(self, count: torch.Tensor) -> None:
         """Replay the graph; ``count`` (one of its outputs) is read back later (:meth:`_collect`)."""

@@ -170,11 +170,14 @@ def remove_rows(params: MutableMapping[str, nn.Parameter], optimizers: Mapping[s
 
 
 @torch.no_grad()
-def zero_state(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> None:
-    """Zero ``param``'s Adam moments in place (``step`` kept)."""
+def zero_state(optimizer: torch.optim.Optimizer, param: nn.Parameter, rows: Tensor | None = None) -> None:
+    """Zero ``param``'s Adam moments in place (``step`` kept): all of them, or those of ``rows``."""
     for key, value in optimizer.state.get(param, {}).items():
         if key != "step" and isinstance(value, Tensor) and value.shape == param.shape:
-            value.zero_()
+            if rows is None:
+                value.zero_()
+            else:
+                value[rows] = 0.0
 
 
 # ---------------------------------------------------------------------------- statistics

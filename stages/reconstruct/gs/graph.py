@@ -56,7 +56,6 @@ class CapturedView(GraphStep):
     def __init__(self, method, required: bool = False):
         super().__init__(method, required)
         self.key: tuple | None = None
-        self._static: dict[str, torch.Tensor] = {}
         self._counts: deque = deque(maxlen=WINDOW)
         self._size = (0, 0, 1)
         self._n = 0  # Gaussians when the key last changed
@@ -99,21 +98,10 @@ class CapturedView(GraphStep):
                 if bg is not None:
                     self._static["bg"] = torch.zeros(3, device=self.device)
             self._size = (width, height, n)
-        if self.failed is not None:
+        out = self._run({"image": image, "viewmat": viewmat, "K": K, "bg": bg})
+        if out is None:
             return None
-        self._collect()
-        if self._need is None:
-            return None
-        st = self._static
-        st["image"].copy_(image, non_blocking=True)
-        st["viewmat"].copy_(viewmat)
-        st["K"].copy_(K)
-        if bg is not None:
-            st["bg"].copy_(bg)
-        if not self._ensure_captured():
-            return None
-        loss, mse, needed, meta = self._out
-        self._replay(needed)
+        loss, mse, _, meta = out
         return loss.clone(), mse.clone(), meta
 
     def summary(self) -> dict:

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from stages.common.params import check
 
-from .densify import append_rows
+from .densify import append_rows, zero_state
 from .model import quat_to_rotmat
 
 MAX_SHARE = 51  # a source shared by more Gaussians than this is split as if by this many (gsplat's table size)
@@ -113,23 +113,21 @@ def relocation(opacities: Tensor, scales: Tensor, shares: Tensor) -> tuple[Tenso
     return new_o.to(opacities.dtype), new_scales.to(scales.dtype)
 
 
-def _logit(p: Tensor) -> Tensor:
-    return torch.log(p / (1.0 - p))
-
-
 def _draw(probs: Tensor, n: int, generator: torch.Generator) -> Tensor:
     """``n`` indices drawn with replacement, proportional to ``probs`` (on the generator's device)."""
     picks = torch.multinomial(probs.to(generator.device).float(), n, replacement=True, generator=generator)
     return picks.to(probs.device)
 
 
-def _shared_rows(params: Mapping[str, Tensor], sources: Tensor, min_opacity: float) -> tuple[Tensor, Tensor]:
-    """(logit opacities, log scales) the drawn ``sources`` get once they are shared."""
+def _share(params: Mapping[str, Tensor], sources: Tensor, min_opacity: float) -> None:
+    """Give the drawn ``sources`` (in place) the opacity and scale of a Gaussian shared by the
+    times it was drawn plus one."""
     eps = torch.finfo(torch.float32).eps
     counts = torch.bincount(sources, minlength=params["means"].shape[0])
     o, s = relocation(torch.sigmoid(params["opacities"][sources]), torch.exp(params["scales"][sources]),
                       counts[sources] + 1)
-    return _logit(o.clamp(min_opacity, 1.0 - eps)), torch.log(s)
+    params["opacities"].data[sources] = torch.logit(o.clamp(min_opacity, 1.0 - eps))
+    params["scales"].data[sources] = torch.log(s)
 
 
 # ---------------------------------------------------------------------------- the strategy
@@ -144,7 +142,7 @@ class MCMCStrategy:
     def __init__(self, params: MCMCParams | None = None):
         self.params = params or MCMCParams()
         self.budget_reached = False
-        self.stats = None
+        self.stats = None  # what DensifyStrategy accumulates; MCMC has none (read by gs/shards.py)
 
     def active(self, step: int) -> bool:
         return False
@@ -182,17 +180,13 @@ class MCMCStrategy:
             return 0
         dead_idx = torch.nonzero(dead).squeeze(1)
         sources = alive[_draw(opac[alive], n_dead, generator)]
-        logit_o, log_s = _shared_rows(params, sources, cfg.min_opacity)
-        params["opacities"].data[sources] = logit_o
-        params["scales"].data[sources] = log_s
+        _share(params, sources, cfg.min_opacity)
         for p in params.values():  # the dead take their source's (updated) values
             p.data[dead_idx] = p.data[sources]
         touched = torch.cat([sources, dead_idx])
         for name, p in params.items():  # moments restart where the rows changed (in place: no new tensors)
-            opt = optimizers.get(name)
-            for key, value in ({} if opt is None else opt.state.get(p, {})).items():
-                if key != "step" and isinstance(value, Tensor) and value.shape == p.shape:
-                    value[touched] = 0.0
+            if name in optimizers:
+                zero_state(optimizers[name], p, touched)
         return n_dead
 
     def _add(self, params, optimizers, generator) -> tuple[int, bool]:
@@ -206,9 +200,7 @@ class MCMCStrategy:
         if extra <= 0:
             return 0, hit
         sources = _draw(torch.sigmoid(params["opacities"]), extra, generator)
-        logit_o, log_s = _shared_rows(params, sources, cfg.min_opacity)
-        params["opacities"].data[sources] = logit_o
-        params["scales"].data[sources] = log_s
+        _share(params, sources, cfg.min_opacity)
         append_rows(params, optimizers, {name: p.detach()[sources] for name, p in params.items()})
         return extra, hit
 

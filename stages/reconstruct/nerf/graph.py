@@ -60,7 +60,6 @@ class CapturedStep(GraphStep):
     def __init__(self, method, required: bool = False):
         super().__init__(method, required)
         self.rays = 0
-        self._static: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ the captured body
     def _body(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -87,17 +86,8 @@ class CapturedStep(GraphStep):
                 self._static["bg"] = torch.zeros(R, 3, device=self.device)
             if image is not None:
                 self._static["image"] = torch.zeros(R, dtype=torch.int64, device=self.device)
-        if self.failed is not None:
+        out = self._run({"o": o, "d": d, "rgb": rgb, "jitter": jitter, "bg": background, "image": image})
+        if out is None:
             return None
-        self._collect()
-        if self._need is None:
-            return None
-        st = self._static
-        for k, v in (("o", o), ("d", d), ("rgb", rgb), ("jitter", jitter), ("bg", background), ("image", image)):
-            if v is not None:
-                st[k].copy_(v)
-        if not self._ensure_captured():
-            return None
-        mse, num, total = self._out
-        self._replay(total)
+        mse, num, _ = out
         return mse.clone(), num.clone()
