@@ -294,6 +294,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gsplat unavailable ({type(exc).__name__}: {exc}); our rows only", flush=True)
             have_gsplat = False
     rows = []
+    env = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "python": platform.python_version(),
+           "gsplat_build_s": build_s}
+    if have_gsplat:
+        env["gsplat"] = gsplat.__version__
+
+    def save() -> None:  # after every row: a run cut short by a time limit keeps what it finished
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(args.json).with_suffix(".part")
+            tmp.write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+            tmp.replace(args.json)
+
     for spec in args.poses:
         name, _, path = spec.partition("=")
         scene = load_scene(path)
@@ -315,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                     row = run_gsplat(scene, steps, device, over, reset_fix=impl == "gsplat+reset")
                 row.update(scene=name, steps=steps)
                 rows.append(row)
+                save()
                 print(f"   {impl:14s} {steps:6d} steps: {row['train_s']:7.1f} s, PSNR {row['psnr']:.2f}, SSIM "
                       f"{row['ssim']:.4f}, {row['gaussians']:,} Gaussians, {row['peak_gb']:.2f} GB, "
                       f"{row['fps']:.0f} FPS", flush=True)
@@ -327,17 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f"{r['train_s'] / ref['train_s']:.2f}x" if ref else ""
         print(f"| {r['scene']} | {r['steps']} | {r['impl']} | {r['train_s']:.1f} | {ratio} | {r['psnr']:.2f} | "
               f"{r['ssim']:.4f} | {r['gaussians']:,} | {r['peak_gb']:.2f} | {r['fps']:.0f} |")
-    if args.json:
-        env = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "python": platform.python_version(),
-               "gsplat_build_s": build_s}
-        try:
-            import gsplat
-
-            env["gsplat"] = gsplat.__version__
-        except ImportError:
-            pass
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+    save()
     return 0
 
 
