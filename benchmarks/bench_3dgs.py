@@ -303,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(args.json).with_suffix(".part")
-            tmp.write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+            peer = "gsplat-mcmc" if over.get("strategy") == "mcmc" else "gsplat"  # what the report times rows against
+            tmp.write_text(json.dumps({"environment": env, "peer": peer, "rows": rows}, indent=1))
             tmp.replace(args.json)
 
     for spec in args.poses:

@@ -210,7 +210,8 @@ def read_benchmark(path: str | Path) -> dict:
                                                          for r in rows):
         raise ValueError(f"{path}: expected {{\"environment\", \"rows\": [{{{', '.join(need)}, ...}}]}}")
     return {"source": path.as_posix(), "environment": doc.get("environment") or {}, "rows": rows,
-            "protocol": doc.get("protocol") if isinstance(doc.get("protocol"), str) else None}
+            "protocol": doc.get("protocol") if isinstance(doc.get("protocol"), str) else None,
+            "peer": doc.get("peer") if isinstance(doc.get("peer"), str) else None}
 
 
 def _decimals(value, nd: int) -> int:
@@ -220,16 +221,21 @@ def _decimals(value, nd: int) -> int:
     return nd
 
 
-def benchmark_rows(rows: list[dict]) -> list[list[str]]:
-    """Table rows, with each implementation's training time against the peer's of the same scene and steps."""
+def benchmark_rows(rows: list[dict], peer: str | None = None) -> list[list[str]]:
+    """Table rows, with each implementation's training time against the peer's of the same scene and steps.
+
+    ``peer`` names the implementation every other row is timed against (a file with more than two
+    rows a scene, e.g. ours graphed and eager beside gsplat and a patched gsplat); without it, each
+    row is timed against the first other implementation of its scene and steps."""
     out = []
     for r in rows:
         cells = [fmt(r.get(key), _decimals(r.get(key), nd)) if nd is not None else fmt(r.get(key))
                  for _, key, nd in BENCH_COLUMNS]
-        peer = next((x for x in rows if x is not r and x.get("scene") == r.get("scene")
-                     and x.get("steps") == r.get("steps") and x.get("impl") != r.get("impl")), None)
-        ratio = (r["train_s"] / peer["train_s"]) if peer and peer.get("train_s") else None
-        out.append(cells[:4] + ([f"{ratio:.2f}x {peer['impl']}'s"] if ratio else [""]) + cells[4:])
+        peer_row = next((x for x in rows if x is not r and x.get("scene") == r.get("scene")
+                         and x.get("steps") == r.get("steps") and x.get("impl") != r.get("impl")
+                         and (peer is None or x.get("impl") == peer)), None)
+        ratio = (r["train_s"] / peer_row["train_s"]) if peer_row and peer_row.get("train_s") else None
+        out.append(cells[:4] + ([f"{ratio:.2f}x {peer_row['impl']}'s"] if ratio else [""]) + cells[4:])
     return out
 
 
@@ -741,7 +747,8 @@ def run(
                  f"{env_b.get('torch', 'n/a')}{', gsplat ' + str(env_b['gsplat']) if env_b.get('gsplat') else ''}) "
                  + how, em=True)
         headers = [h for h, _, _ in BENCH_COLUMNS]
-        doc.table(headers[:4] + ["time vs peer"] + headers[4:], benchmark_rows(bench["rows"]), "benchmark")
+        doc.table(headers[:4] + ["time vs peer"] + headers[4:], benchmark_rows(bench["rows"], bench["peer"]),
+                  "benchmark")
     if elsewhere:
         doc.h2("Appendix: scaling measured on other scenes")
         others = sorted({str(sc.get("scene") or "scene not recorded") for sc in elsewhere})

@@ -420,7 +420,12 @@ def test_method_benchmarks_read_and_compare_to_their_peer(tmp_path):
     assert table[0][-1] == "381"  # FPS without decimals...
     slow = dict(rows[0], fps=0.061)
     assert benchmark_rows([slow])[0][-1] == "0.06"  # ...unless that would print a CPU's 0.06 views/s as 0
-    assert doc["protocol"] is None  # the report then uses the side-by-side wording
+    assert doc["protocol"] is None and doc["peer"] is None  # the report then uses the side-by-side wording
+    # a named peer: every other row is timed against it, the peer row itself against nothing
+    eager = dict(rows[0], impl="rayforge-eager", train_s=60.0)
+    named = benchmark_rows([rows[0], eager, rows[1]], peer="gsplat")
+    assert [r[4] for r in named] == ["0.75x gsplat's", "1.50x gsplat's", ""]
+    assert benchmark_rows([rows[0], eager, rows[1]])[0][4] == "0.50x rayforge-eager's"
     path.write_text(json.dumps({"environment": {}, "rows": rows, "protocol": "snapshots at wall-clock budgets"}))
     assert read_benchmark(path)["protocol"] == "snapshots at wall-clock budgets"
     path.write_text(json.dumps({"rows": [{"scene": "lego"}]}))
