@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--poses", action="append", required=True, metavar="NAME=DIR", help="a scene's poses out")
     ap.add_argument("--steps", type=int, nargs="+", default=[7000])
-    ap.add_argument("--only", choices=("rayforge", "gsplat"), help="run one side only")
+    ap.add_argument("--only", choices=("rayforge", "gsplat", "gsplat+reset"),
+                    help="run one side only (gsplat+reset: that row alone, e.g. to finish a run cut short)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="reconstruct.gs override (ours)")
     ap.add_argument("--gsplat-reset-fix", action="store_true",
                     help="also train gsplat with its opacity reset working (1.5.3 never resets; row gsplat+reset)")
@@ -281,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         import yaml
 
         over[k] = yaml.safe_load(v)
+    if args.only == "gsplat+reset" and over.get("strategy") == "mcmc":
+        ap.error("--only gsplat+reset is DefaultStrategy's reset: MCMC has no opacity reset")
     have_gsplat = args.only != "rayforge"
     build_s = None
     if have_gsplat:
@@ -313,10 +316,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}: {len(scene.train)} train / {len(scene.test)} test views, "
               f"{0 if scene.points is None else len(scene.points)} sparse points", flush=True)
         for steps in args.steps:
-            sides = [] if args.only == "gsplat" else ["rayforge"] + (["rayforge-eager"] if args.eager else [])
+            sides = [] if args.only in ("gsplat", "gsplat+reset") else ["rayforge"]
+            sides += ["rayforge-eager"] if args.eager and sides else []
             if have_gsplat:
-                reset_row = args.gsplat_reset_fix and over.get("strategy") != "mcmc"  # MCMC resets nothing
-                sides += ["gsplat", "gsplat+reset"] if reset_row else ["gsplat"]
+                reset_row = (args.gsplat_reset_fix or args.only == "gsplat+reset") and over.get("strategy") != "mcmc"
+                sides += ["gsplat", "gsplat+reset"] if reset_row else ["gsplat"]  # (MCMC resets nothing)
+                if args.only == "gsplat+reset":
+                    sides = ["gsplat+reset"]
             for impl in sides:
                 ply = None if args.save_ply is None else args.save_ply / f"{name}_{steps}.ply"
                 if impl == "rayforge":
