@@ -301,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
            "gsplat_build_s": build_s}
     if have_gsplat:
         env["gsplat"] = gsplat.__version__
+    if over:
+        env["set"] = over  # the --set values: our rows' reconstruct.gs overrides
 
     def save() -> None:  # after every row: a run cut short by a time limit keeps what it finished
         if args.json:

@@ -34,17 +34,27 @@ _programs: dict[str, KernelProgram] = {}
 
 def program(name: str) -> KernelProgram:
     """"project", "tiles" or "raster<D>" (blending of D channels, one unit per D so that a first
-    call compiles only the channel count it renders): the compiled unit, built lazily, cached."""
+    call compiles only the channel count it renders; "raster<D>@A" clamps alpha at A instead of
+    ALPHA_MAX): the compiled unit, built lazily, cached."""
     prog = _programs.get(name)
     if prog is None:
+        defines = DEFINES
         if name.startswith("raster<"):
-            d = int(name[7:-1])
+            head, _, clamp = name.partition("@")
+            d = int(head[7:-1])
             source, names = "gaussians_raster.cu", [f"rasterize_fwd<{d}>", f"rasterize_bwd<{d}>"]
+            if clamp:
+                defines = {**DEFINES, "RF_ALPHA_MAX": f"({float(clamp)!r}f)"}
         else:
             source, names = {"project": ("gaussians_project.cu", _PROJECT),
                              "tiles": ("gaussians_tiles.cu", _TILES)}[name]
-        prog = _programs.setdefault(name, KernelProgram(source, names, defines=DEFINES))
+        prog = _programs.setdefault(name, KernelProgram(source, names, defines=defines))
     return prog
+
+
+def raster_program(D: int, alpha_max: float = ALPHA_MAX) -> KernelProgram:
+    """The blending unit for D channels and an alpha clamp (one compiled unit per clamp used)."""
+    return program(f"raster<{D}>" if alpha_max == ALPHA_MAX else f"raster<{D}>@{float(alpha_max)!r}")
 
 
 def default_programs() -> list[KernelProgram]:
@@ -274,8 +284,9 @@ def _smem(tile_size: int, D: int, backward: bool) -> int:
     return tile_size * tile_size * per_thread
 
 
-def _raster_launch(name: str, tile_size: int, D: int, backward: bool, grid, args, device) -> None:
-    prog = program(f"raster<{D}>")
+def _raster_launch(name: str, tile_size: int, D: int, backward: bool, grid, args, device,
+                   alpha_max: float = ALPHA_MAX) -> None:
+    prog = raster_program(D, alpha_max)
     nbytes = _smem(tile_size, D, backward)
     if nbytes > 48 * 1024:
         prog.set_max_dynamic_shared(name, nbytes, device)
@@ -286,7 +297,7 @@ class _Rasterize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, cfg,
                 absgrad_target, needed):
-        width, height, tile_size = cfg
+        width, height, tile_size, alpha_max = cfg
         C, D = colors.shape[0], colors.shape[-1]
         th, tw = isect_offsets.shape[1:]
         dev = means2d.device
@@ -297,7 +308,7 @@ class _Rasterize(torch.autograd.Function):
         _raster_launch(f"rasterize_fwd<{D}>", tile_size, D, False, (tw, th, C),
                        [_p(means2d), _p(conics), _p(colors), _p(opacities), _p(backgrounds), _p(isect_offsets),
                         _p(flatten_ids), (flatten_ids.numel(), i32), _p(needed), (width, i32), (height, i32),
-                        _p(out), _p(alphas), _p(T), _p(last_ids)], dev)
+                        _p(out), _p(alphas), _p(T), _p(last_ids)], dev, alpha_max)
         ctx.save_for_backward(means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, T,
                               last_ids, needed)
         ctx.cfg, ctx.absgrad_target = cfg, absgrad_target
@@ -308,7 +319,7 @@ class _Rasterize(torch.autograd.Function):
     def backward(ctx, g_out, g_alphas):
         (means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, T, last_ids,
          needed) = ctx.saved_tensors
-        width, height, tile_size = ctx.cfg
+        width, height, tile_size, alpha_max = ctx.cfg
         C, D = colors.shape[0], colors.shape[-1]
         th, tw = isect_offsets.shape[1:]
         dev = means2d.device
@@ -321,7 +332,7 @@ class _Rasterize(torch.autograd.Function):
                        [_p(means2d), _p(conics), _p(colors), _p(opacities), _p(backgrounds), _p(isect_offsets),
                         _p(flatten_ids), (flatten_ids.numel(), i32), _p(needed), (width, i32), (height, i32),
                         _p(T), _p(last_ids), _p(g_out), _p(g_alphas), _p(v_means2d), _p(v_abs), _p(v_conics),
-                        _p(v_colors), _p(v_opac)], dev)
+                        _p(v_colors), _p(v_opac)], dev, alpha_max)
         v_bg = None
         if backgrounds is not None and ctx.needs_input_grad[4]:
             v_bg = (g_out * T[..., None]).sum((1, 2))
@@ -331,11 +342,11 @@ class _Rasterize(torch.autograd.Function):
 
 
 def rasterize_to_pixels(means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids,
-                        backgrounds, absgrad, needed=None):
+                        backgrounds, absgrad, needed=None, alpha_max: float = ALPHA_MAX):
     target = means2d if absgrad else None
     if means2d.data_ptr() % 8:  # float2 loads need an 8-byte aligned base (a view at an odd offset)
         means2d = means2d.clone()
-    cfg = (width, height, tile_size)
+    cfg = (width, height, tile_size, float(alpha_max))
     D = colors.shape[-1]
     if D <= MAX_CHANNELS:
         return _Rasterize.apply(means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, cfg,

@@ -345,7 +345,7 @@ def _below(x: torch.Tensor, limit: float) -> torch.Tensor:
     return torch.threshold(x, limit, limit).sub_(limit).sign_()
 
 
-def _blend(plan: _Plan, e: _Entries):
+def _blend(plan: _Plan, e: _Entries, alpha_max: float = ALPHA_MAX):
     """Forward of one chunk: (alpha, T before each entry, T after the last blended one).
 
     alpha [k, P, L] is 0 where an entry is skipped (sigma < 0, alpha < 1/255) or past the pixel's
@@ -359,7 +359,7 @@ def _blend(plan: _Plan, e: _Entries):
     indefinite = (a < 0) | (c < 0) | (a * c < b * b)  # sigma < 0 is possible (not from a projection)
     skip = (neg_sigma > 0) & indefinite[:, None, :] if bool(indefinite.any()) else None
     # a semi-definite conic's sigma >= 0: clamping only undoes the expansion's rounding
-    alpha = neg_sigma.clamp_(max=0.0).exp_().mul_(e.opac[:, None, :]).clamp_(max=ALPHA_MAX)
+    alpha = neg_sigma.clamp_(max=0.0).exp_().mul_(e.opac[:, None, :]).clamp_(max=alpha_max)
     torch.threshold_(alpha, _just_below(ALPHA_MIN, alpha.dtype), 0.0)  # alpha < 1/255: skipped
     if skip is not None:
         alpha.masked_fill_(skip, 0.0)
@@ -382,7 +382,7 @@ def _just_below(x: float, dtype: torch.dtype) -> float:
 
 class _RasterizeReference(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, means2d, conics, colors, opacities, backgrounds, plan, shape, absgrad):
+    def forward(ctx, means2d, conics, colors, opacities, backgrounds, plan, shape, absgrad, alpha_max):
         C, H, W, D = shape
         pads = _padded(means2d, conics, colors, opacities)
         out = torch.zeros(C * H * W + 1, D, dtype=colors.dtype, device=colors.device)
@@ -392,7 +392,7 @@ class _RasterizeReference(torch.autograd.Function):
         kept, budget = [], SAVED_PAIRS
         for chunk in plan.chunks:
             e = _entries(plan, chunk, *pads)
-            alpha, t_prev, t_final = _blend(plan, e)
+            alpha, t_prev, t_final = _blend(plan, e, alpha_max)
             rgb = torch.bmm(alpha * t_prev, e.color)  # [k, P, D]
             pix = plan.pix[chunk[0]:chunk[0] + chunk[1]].reshape(-1)
             if backgrounds is not None:
@@ -403,7 +403,7 @@ class _RasterizeReference(torch.autograd.Function):
             kept.append((alpha, t_prev, t_final) if budget >= 0 else None)
         t_map = t_map[:-1]
         ctx.save_for_backward(means2d, conics, colors, opacities, backgrounds, t_map)
-        ctx.plan, ctx.shape, ctx.absgrad, ctx.kept = plan, shape, absgrad, kept
+        ctx.plan, ctx.shape, ctx.absgrad, ctx.kept, ctx.alpha_max = plan, shape, absgrad, kept, alpha_max
         ctx.means2d_obj = means2d if absgrad else None
         return out[:-1].view(C, H, W, D), (1.0 - t_map).view(C, H, W, 1)
 
@@ -428,9 +428,9 @@ class _RasterizeReference(torch.autograd.Function):
         # the forward's (alpha, T) are dropped after a first backward: a second one (retain_graph) recomputes
         for chunk, kept in zip(plan.chunks, ctx.kept or [None] * len(plan.chunks)):
             e = _entries(plan, chunk, *pads)
-            alpha, t_prev, t_final = kept if kept is not None else _blend(plan, e)
+            alpha, t_prev, t_final = kept if kept is not None else _blend(plan, e, ctx.alpha_max)
             _blend_backward(plan, e, alpha, t_prev, t_final, plan.pix[chunk[0]:chunk[0] + chunk[1]], gC, g_t,
-                            grads)
+                            grads, ctx.alpha_max)
         ctx.kept = None
         v_mean, v_conic, v_color, v_opac, v_abs = (g[:CN] for g in grads)
         v_bg = None
@@ -439,10 +439,11 @@ class _RasterizeReference(torch.autograd.Function):
         if ctx.absgrad:
             ctx.means2d_obj.absgrad = v_abs.view(means2d.shape)
         return (v_mean.view(means2d.shape), v_conic.view(conics.shape), v_color.view(colors.shape),
-                v_opac.view(opacities.shape), v_bg, None, None, None)
+                v_opac.view(opacities.shape), v_bg, None, None, None, None)
 
 
-def _blend_backward(plan: _Plan, e: _Entries, alpha, t_prev, t_final, pix, gC, g_t, grads) -> None:
+def _blend_backward(plan: _Plan, e: _Entries, alpha, t_prev, t_final, pix, gC, g_t, grads,
+                    alpha_max: float = ALPHA_MAX) -> None:
     """Accumulate one chunk's gradients into grads = [v_mean, v_conic, v_color, v_opac, v_abs]."""
     g_pix = gC.index_select(0, pix.reshape(-1)).view(*pix.shape, -1)  # [k, P, D]
     ids = e.ids.reshape(-1)
@@ -455,7 +456,7 @@ def _blend_backward(plan: _Plan, e: _Entries, alpha, t_prev, t_final, pix, gC, g
     # dL/dalpha_i = T_i (c_i . g) - (sum_{j > i} w_j c_j . g + T_final dL/dT_final) / (1 - alpha_i);
     # through alpha = o exp(-sigma) where blended and not clamped (else alpha is constant):
     # dL/dsigma = -alpha dL/dalpha, dL/do = alpha / o dL/dalpha.
-    u = cg.mul_(t_prev).sub_(behind.div_(1.0 - alpha)).mul_(alpha).mul_(_below(ALPHA_MAX - alpha, 0.0))
+    u = cg.mul_(t_prev).sub_(behind.div_(1.0 - alpha)).mul_(alpha).mul_(_below(alpha_max - alpha, 0.0))
     mom = torch.matmul(plan.features.transpose(0, 1), u)  # [k, 6, L]: moments of u over the pixels
     u0, u1, u2, u3, u4, u5 = mom.unbind(1)
     mx, my, op = e.mx, e.my, e.opac
@@ -485,11 +486,11 @@ def _padded(means2d, conics, colors, opacities):
 
 def rasterize_to_pixels_reference(means2d, conics, colors, opacities, width: int, height: int,
                                   tile_size: int, isect_offsets, flatten_ids, backgrounds=None,
-                                  absgrad: bool = False):
+                                  absgrad: bool = False, alpha_max: float = ALPHA_MAX):
     """Twin of ``rasterize_fwd`` / ``rasterize_bwd`` (csrc/gaussians_raster.cu); see
     :func:`kernels.rasterize_to_pixels`."""
     C = isect_offsets.shape[0]
     plan = _plan(means2d.detach(), conics.detach(), opacities.detach(), width, height, tile_size,
                  isect_offsets, flatten_ids)
     return _RasterizeReference.apply(means2d, conics, colors, opacities, backgrounds, plan,
-                                     (C, height, width, colors.shape[-1]), absgrad)
+                                     (C, height, width, colors.shape[-1]), absgrad, float(alpha_max))

@@ -25,9 +25,9 @@ import math
 import torch
 
 from . import _driver
-from ._gs_reference import (Projection, intersect_tiles_reference, isect_offset_encode_reference, key_bits,
-                            project_gaussians_reference, rasterize_to_pixels_reference,
-                            spherical_harmonics_reference, tile_ranges)
+from ._gs_reference import (ALPHA_MAX, ALPHA_MIN, Projection, intersect_tiles_reference,
+                            isect_offset_encode_reference, key_bits, project_gaussians_reference,
+                            rasterize_to_pixels_reference, spherical_harmonics_reference, tile_ranges)
 
 MAX_INTERSECTIONS = 2**31 - 1  # flatten_ids and isect_offsets are int32
 TILE_SIZES = (8, 16, 32)
@@ -139,6 +139,14 @@ def _check_planes(eps2d, near, far, radius_clip) -> None:
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     if not (isinstance(near, (int, float)) and isinstance(far, (int, float)) and 0 < near < far):
         raise ValueError(f"near and far must satisfy 0 < near < far, got near={near!r}, far={far!r}")
+
+
+def _check_alpha_max(alpha_max) -> float:
+    if not (isinstance(alpha_max, (int, float)) and not isinstance(alpha_max, bool)
+            and ALPHA_MIN < alpha_max < 1.0):
+        raise ValueError(f"alpha_max must be a number in (1/255, 1) (alpha is clamped there; 1 would let a "
+                         f"pixel's transmittance reach 0), got {alpha_max!r}")
+    return float(alpha_max)
 
 
 def _use_cuda(device: torch.device) -> bool:
@@ -321,11 +329,12 @@ def _offsets(isect_ids, n_cameras, tile_width, tile_height):
 
 
 def rasterize_to_pixels(means2d, conics, colors, opacities, width: int, height: int, tile_size: int,
-                        isect_offsets, flatten_ids, backgrounds=None, absgrad: bool = False):
+                        isect_offsets, flatten_ids, backgrounds=None, absgrad: bool = False,
+                        alpha_max: float = ALPHA_MAX):
     """Front-to-back alpha blending of the tiles' depth-sorted Gaussians (gsplat 1.5 semantics).
 
     Per pixel centre p (x + 0.5, y + 0.5) and Gaussian in its tile's list, in order:
-    ``sigma = (a dx^2 + c dy^2) / 2 + b dx dy`` (d = mean - p), ``alpha = min(0.99, o exp(-sigma))``;
+    ``sigma = (a dx^2 + c dy^2) / 2 + b dx dy`` (d = mean - p), ``alpha = min(alpha_max, o exp(-sigma))``;
     skipped when sigma < 0 or alpha < 1/255; the pixel stops before the Gaussian that would bring
     its transmittance T to 1e-4 or below. ``colour = sum_i alpha_i T_i c_i + T background``,
     ``alpha = 1 - T``.
@@ -337,6 +346,8 @@ def rasterize_to_pixels(means2d, conics, colors, opacities, width: int, height: 
         flatten_ids: [M] int32 indices into [C * N] (:func:`intersect_tiles`).
         backgrounds: optional [C, D].
         absgrad: after backward, ``means2d.absgrad`` holds the sum over pixels of |dL/dmeans2d|.
+        alpha_max: the clamp of alpha, in (1/255, 1): 0.99 as the 3DGS reference (the default);
+            gsplat clamps at 0.999, so 0.999 renders gsplat's image.
 
     Returns:
         (render_colors [C, H, W, D], render_alphas [C, H, W, 1]); differentiable in means2d,
@@ -350,6 +361,7 @@ def rasterize_to_pixels(means2d, conics, colors, opacities, width: int, height: 
     _check("opacities", opacities, ("C", "N"), sizes, device=dev)
     _check_image(width, height)
     _check_tile_size(tile_size)
+    alpha_max = _check_alpha_max(alpha_max)
     if sizes["D"] < 1:
         raise ValueError("colors must have at least one channel, got D=0")
     sizes["tile_height"], sizes["tile_width"] = -(-height // tile_size), -(-width // tile_size)
@@ -367,23 +379,24 @@ def rasterize_to_pixels(means2d, conics, colors, opacities, width: int, height: 
                       ~((flatten_ids >= 0).all() & (flatten_ids < sizes["C"] * sizes["N"]).all())))
     _raise_flags(flags)
     return _rasterize(means2d, conics, colors, opacities, width, height, tile_size, isect_offsets,
-                      flatten_ids, backgrounds, absgrad)
+                      flatten_ids, backgrounds, absgrad, alpha_max=alpha_max)
 
 
 def _rasterize(means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids,
-               backgrounds, absgrad, needed=None):
+               backgrounds, absgrad, needed=None, alpha_max: float = ALPHA_MAX):
     if _use_cuda(means2d.device):
         return _cuda().rasterize_to_pixels(means2d, conics, colors, opacities, width, height, tile_size,
-                                           isect_offsets, flatten_ids, backgrounds, absgrad, needed)
+                                           isect_offsets, flatten_ids, backgrounds, absgrad, needed, alpha_max)
     return rasterize_to_pixels_reference(means2d, conics, colors, opacities, width, height, tile_size,
-                                         isect_offsets, flatten_ids, backgrounds, absgrad)
+                                         isect_offsets, flatten_ids, backgrounds, absgrad, alpha_max)
 
 
 def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: int, height: int, *,
                   sh_degree: int | None = None, backgrounds=None, render_mode: str = "RGB",
                   near_plane: float = 0.01, far_plane: float = 1e10, eps2d: float = 0.3,
                   radius_clip: float = 0.0, antialiased: bool = False, absgrad: bool = False,
-                  tile_size: int = 16, validate: bool = True, capacity: int | None = None):
+                  tile_size: int = 16, validate: bool = True, capacity: int | None = None,
+                  alpha_max: float = ALPHA_MAX):
     """Render N Gaussians into C cameras: project, colour, bin into tiles, blend (gsplat's
     ``rasterization(..., packed=False)``).
 
@@ -398,6 +411,7 @@ def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: 
             antialiased multiplies opacities by the compensation.
         absgrad: ``meta["means2d"].absgrad`` after backward (see :func:`rasterize_to_pixels`).
         tile_size: 8, 16 or 32.
+        alpha_max: the clamp of alpha (see :func:`rasterize_to_pixels`; 0.999 is gsplat's).
         validate: check the values (finite means, scales, quaternions and cameras, no zero
             quaternion): on a GPU one kernel and a host read, which makes the host wait for the
             GPU. A caller whose tensors cannot hold such values (the training loop: a step with a
@@ -425,6 +439,7 @@ def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: 
     _check_cameras(viewmats, Ks, width, height, sizes, dev)
     _check_planes(eps2d, near_plane, far_plane, radius_clip)
     _check_tile_size(tile_size)
+    alpha_max = _check_alpha_max(alpha_max)
     if render_mode not in RENDER_MODES:
         raise ValueError(f"render_mode must be one of {RENDER_MODES}, got {render_mode!r}")
     if sh_degree is None:
@@ -485,7 +500,7 @@ def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: 
     if means2d.requires_grad:
         means2d.retain_grad()
     render, alphas = _rasterize(means2d, proj.conics, rgb, opac, width, height, tile_size, offsets,
-                                flatten_ids, bg, absgrad, needed)
+                                flatten_ids, bg, absgrad, needed, alpha_max)
     if render_mode in ("ED", "RGB+ED"):
         render = torch.cat([render[..., :-1], render[..., -1:] / alphas.clamp(min=1e-10)], -1)
     meta = {"means2d": means2d, "radii": proj.radii.amax(-1), "depths": proj.depths, "conics": proj.conics,

@@ -26,19 +26,21 @@ def cuda():
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("antialiased,mode", [(False, "RGB"), (True, "RGB+ED")])
-def test_same_image_as_gsplat(cuda, antialiased, mode):
+@pytest.mark.parametrize("antialiased,mode,alpha_max", [(False, "RGB", 0.99), (True, "RGB+ED", 0.99),
+                                                       (False, "RGB", 0.999)])
+def test_same_image_as_gsplat(cuda, antialiased, mode, alpha_max):
     means, quats, scales, opac, sh = gaussians(20000, seed=21, log_scale=(-4.2, 0.6))
-    # gsplat 1.5 clamps alpha at 0.999, we at 0.99 (the 3DGS reference value): with opacities below
-    # 0.98 neither clamp acts, and every other rule (radius, eps2d, compensation, 1/255 skip,
-    # T <= 1e-4 stop, pixel centres) is the same
-    opac = opac.clamp(max=0.98)
+    # gsplat 1.5 clamps alpha at 0.999, we at 0.99 by default (the 3DGS reference value): with
+    # opacities below 0.98 neither clamp acts, and every other rule (radius, eps2d, compensation,
+    # 1/255 skip, T <= 1e-4 stop, pixel centres) is the same. With alpha_max=0.999 the clamps are
+    # the same too, and opacities go up to 1.
+    opac = opac.clamp(max=0.98) if alpha_max == 0.99 else opac.mul(0.5).add(0.5)
     views, Ks = camera(256, 192, 230.0, n=2, seed=21, spread=0.2)
     bg = torch.rand(2, 3, generator=torch.Generator().manual_seed(0))
     inputs = [t.to(cuda).requires_grad_() for t in (means, quats, scales, opac, sh)]
     cams = (views.to(cuda), Ks.to(cuda))
     ours, ours_alpha, meta = kernels.rasterization(*inputs, *cams, 256, 192, sh_degree=3, backgrounds=bg.to(cuda),
-                                                   antialiased=antialiased, render_mode=mode)
+                                                   antialiased=antialiased, render_mode=mode, alpha_max=alpha_max)
     theirs, theirs_alpha, their_meta = gsplat.rasterization(
         *inputs, *cams, 256, 192, sh_degree=3, backgrounds=bg.to(cuda), packed=False, render_mode=mode,
         rasterize_mode="antialiased" if antialiased else "classic")

@@ -284,14 +284,16 @@ def _lists(p, tile_size, width=W, height=H):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("tile_size,D,background", [(16, 3, True), (16, 1, False), (8, 4, True), (32, 2, False),
-                                                     (16, 6, True)])
-def test_blending_matches_the_twin(cuda, tile_size, D, background):
+@pytest.mark.parametrize("tile_size,D,background,alpha_max", [(16, 3, True, 0.99), (16, 1, False, 0.99),
+                                                               (8, 4, True, 0.99), (32, 2, False, 0.99),
+                                                               (16, 6, True, 0.99), (16, 3, True, 0.999)])
+def test_blending_matches_the_twin(cuda, tile_size, D, background, alpha_max):
     """Same lists into both; forward against the float32 twin, backward (random cotangents on colour
-    and alpha) against the float64 twin. D = 6 runs as two launches (4 + 2 channels)."""
+    and alpha) against the float64 twin. D = 6 runs as two launches (4 + 2 channels); alpha_max
+    0.999 (gsplat's clamp) is a program of its own."""
     p, opac = _projected(3000, seed=D + tile_size, log_scale=(-3.2, 0.6))
     opac = opac.clone()
-    opac[:, ::9] = 0.999  # clamped at 0.99: saturated pixels that stop early
+    opac[:, ::9] = 0.999 if alpha_max == 0.99 else 0.9995  # clamped: saturated pixels that stop early
     offsets, flat = _lists(p, tile_size)
     g = torch.Generator().manual_seed(1)
     colors = torch.rand(2, 3000, D, generator=g)
@@ -300,9 +302,9 @@ def test_blending_matches_the_twin(cuda, tile_size, D, background):
     gpu_in = [t.to(cuda).requires_grad_() for t in cpu_in]
     gm, gq, gc, go, *gb = gpu_in
     img, alpha = kernels.rasterize_to_pixels(gm, gq, gc, go, W, H, tile_size, offsets.to(cuda), flat.to(cuda),
-                                             gb[0] if gb else None, absgrad=D <= 4)
+                                             gb[0] if gb else None, absgrad=D <= 4, alpha_max=alpha_max)
     want_img, want_alpha = ref.rasterize_to_pixels_reference(*cpu_in[:4], W, H, tile_size, offsets, flat,
-                                                             bg if background else None)
+                                                             bg if background else None, alpha_max=alpha_max)
     assert 0.3 < float(want_alpha.mean()) < 0.97
     _close_image(img, want_img, "colours")
     _close_image(alpha, want_alpha, "alphas")
@@ -310,7 +312,8 @@ def test_blending_matches_the_twin(cuda, tile_size, D, background):
     got = torch.autograd.grad((img * cot_img.to(cuda)).sum() + (alpha * cot_alpha.to(cuda)).sum(), gpu_in)
     d64 = [t.double().requires_grad_() for t in cpu_in]
     r_img, r_alpha = ref.rasterize_to_pixels_reference(*d64[:4], W, H, tile_size, offsets, flat,
-                                                       d64[4] if background else None, absgrad=D <= 4)
+                                                       d64[4] if background else None, absgrad=D <= 4,
+                                                       alpha_max=alpha_max)
     want = torch.autograd.grad((r_img * cot_img.double()).sum() + (r_alpha * cot_alpha.double()).sum(), d64)
     # float32 sums of hundreds of pixel terms per Gaussian (atomics in any order) and T recovered by
     # dividing by 1 - alpha (up to 100x per step near saturation): 1e-3 relative, 1e-4 of the largest

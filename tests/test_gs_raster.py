@@ -235,6 +235,29 @@ def test_transmittance_stop_clamp_and_skip():
         torch.testing.assert_close(alpha[0, 0, 0, 0], torch.tensor(want))
 
 
+def test_the_alpha_clamp_is_a_choice():
+    """alpha_max: 0.99 by default (the 3DGS reference), 0.999 renders as gsplat clamps; a clamped
+    alpha is a constant, so the opacity gets no gradient there, and an unclamped one does."""
+    means2d, conics, colors = torch.full((1, 1, 2), 8.0), torch.zeros(1, 1, 3), torch.ones(1, 1, 1)
+    radii = torch.full((1, 1), 8, dtype=torch.int32)
+    lists = _lists(means2d, radii, torch.ones(1, 1), 16, 16)
+    bg = torch.tensor([[0.25]])
+    for opacity, alpha_max, want in ((1.0, 0.99, 0.99), (1.0, 0.999, 0.999), (0.995, 0.99, 0.99),
+                                     (0.995, 0.999, 0.995)):
+        o = torch.tensor([[opacity]], requires_grad=True)
+        img, alpha = kernels.rasterize_to_pixels(means2d, conics, colors, o, 16, 16, 16, *lists, backgrounds=bg,
+                                                 alpha_max=alpha_max)
+        torch.testing.assert_close(img[0, 0, 0, 0], torch.tensor(want + (1 - want) * 0.25))
+        torch.testing.assert_close(alpha[0, 0, 0, 0], torch.tensor(want))
+        (g,) = torch.autograd.grad(img[0, 0, 0, 0], o)
+        # d colour / d alpha = colour - background = 0.75 where alpha = opacity, 0 where clamped
+        torch.testing.assert_close(g[0, 0], torch.tensor(0.0 if want == alpha_max else 0.75))
+    for bad in (1.0, 0.003, True, float("nan")):
+        with pytest.raises(ValueError, match=r"alpha_max must be a number in \(1/255, 1\)"):
+            kernels.rasterize_to_pixels(means2d, conics, colors, torch.ones(1, 1), 16, 16, 16, *lists,
+                                        alpha_max=bad)
+
+
 def test_render_modes_and_background():
     # one Gaussian 3 units ahead; with a flat conic every pixel of the tile sees alpha = opacity
     means = torch.tensor([[0.0, 0.0, 3.0]])

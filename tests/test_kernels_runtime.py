@@ -68,6 +68,20 @@ def test_every_source_compiles_without_a_gpu(source, arch, tmp_path):
         assert "warning" not in compiled.log, compiled.log
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_a_blending_program_with_another_alpha_clamp_compiles_without_a_gpu(arch, tmp_path):
+    """kernels.rasterization(alpha_max=0.999): the blending unit built with its own RF_ALPHA_MAX."""
+    from kernels import _gs_cuda
+
+    prog = _gs_cuda.raster_program(3, 0.999)
+    assert prog is not _gs_cuda.raster_program(3) and prog is _gs_cuda.raster_program(3, 0.999)
+    assert prog.defines["RF_ALPHA_MAX"] == "(0.999f)"
+    assert _gs_cuda.raster_program(3).defines["RF_ALPHA_MAX"] == "(0.99f)"
+    compiled = prog.compile(arch, cache_dir=tmp_path)
+    assert compiled.image[:4] == b"\x7fELF" and set(compiled.lowered_names) == set(prog.name_expressions)
+    assert "warning" not in compiled.log, compiled.log
+
+
 def test_a_compile_leaves_pythons_shared_bytes_alone():
     # NVRTC writes its log (an empty one: one NUL byte) into the buffer it is given; a buffer made as
     # b" " * 1 is CPython's shared one-byte object, and writing into it broke every later b" " of

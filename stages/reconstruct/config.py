@@ -199,6 +199,8 @@ class GaussianParams:
     background_lr: float = 0.01  # Adam's rate for that colour, in logit space
     antialiased: bool = False
     eps2d: float = 0.3
+    # alpha's clamp: 0.99 as the 3DGS reference; 0.999 is gsplat's (its images, for a swap of the two)
+    alpha_max: float = 0.99
     near: float = 0.01
     far: float = 1e10
     # where the training images live: "auto" on the GPU when they fit in a quarter of its free
@@ -234,6 +236,7 @@ class GaussianParams:
             self.learn_background = "auto" if self.learn_background else "off"
         check(self.background_lr > 0, "background_lr", "must be > 0", self.background_lr)
         check(self.eps2d >= 0, "eps2d", "must be >= 0", self.eps2d)
+        check(1 / 255 < self.alpha_max < 1, "alpha_max", "must be in (1/255, 1)", self.alpha_max)
         check(0 < self.near < self.far, "near", "must be > 0 and < far", self.near)
 
 

@@ -217,7 +217,7 @@ class GaussianMethod:
             torch.cat([g["sh0"], g["shN"]], dim=1), viewmats, Ks, width, height, sh_degree=sh_degree,
             backgrounds=backgrounds, near_plane=self.cfg.near, far_plane=self.cfg.far, eps2d=self.cfg.eps2d,
             antialiased=self.cfg.antialiased, absgrad=absgrad, render_mode=render_mode, validate=validate,
-            **budget)
+            alpha_max=self.cfg.alpha_max, **budget)
 
     def _random_bg(self) -> bool:
         rb = self.cfg.random_background

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 import kernels
+from kernels._gs_reference import ALPHA_MAX
 
 IMBALANCE = 0.06  # re-split when the slowest rank takes more than this much longer than the fastest
 SH_COLOUR = 3  # colour channels the method renders (RGB from SH)
@@ -399,7 +400,8 @@ class PartitionedRenderer:
     def __call__(self, means, quats, scales, opacities, colors, viewmats, Ks, width: int, height: int, *,
                  sh_degree: int | None = None, backgrounds=None, render_mode: str = "RGB",
                  near_plane: float = 0.01, far_plane: float = 1e10, eps2d: float = 0.3, radius_clip: float = 0.0,
-                 antialiased: bool = False, absgrad: bool = False, tile_size: int = 16, validate: bool = True):
+                 antialiased: bool = False, absgrad: bool = False, tile_size: int = 16, validate: bool = True,
+                 alpha_max: float = ALPHA_MAX):
         if render_mode != "RGB":
             raise ValueError(f"partitioned rendering draws render_mode 'RGB' only, got {render_mode!r}")
         if viewmats.ndim != 3 or viewmats.shape[0] != 1:
@@ -448,7 +450,8 @@ class PartitionedRenderer:
         marks = record.marks if record is not None else [None] * 4
         marks[0] = self.clock.mark()
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
-        tiles = self._rasterize(received, link, D, lo, hi, width, height, ts, tw, th, backgrounds, absgrad)
+        tiles = self._rasterize(received, link, D, lo, hi, width, height, ts, tw, th, backgrounds, absgrad,
+                                alpha_max)
         marks[1] = self.clock.mark()
 
         # 4. the whole image on every rank
@@ -480,7 +483,7 @@ class PartitionedRenderer:
         return both[0], both[1]
 
     def _rasterize(self, received, link: _Link, D: int, lo: int, hi: int, width: int, height: int, ts: int,
-                   tw: int, th: int, backgrounds, absgrad: bool) -> torch.Tensor:
+                   tw: int, th: int, backgrounds, absgrad: bool, alpha_max: float) -> torch.Tensor:
         """[hi - lo, ts, ts, D + 1]: colour and alpha of this rank's tiles."""
         R = received.shape[0]
         if R == 0 or hi <= lo:  # nothing drawn here: background; still in the graph (its backward is a collective)
@@ -500,7 +503,7 @@ class PartitionedRenderer:
         offsets = (offsets - a).clamp_(0, b - a)  # the other ranks' tiles: empty lists
         img, alpha = kernels.rasterize_to_pixels(m2, conics, colours, opac, width, height, ts, offsets,
                                                  flatten_ids[a:b].contiguous(), backgrounds=backgrounds,
-                                                 absgrad=absgrad)
+                                                 absgrad=absgrad, alpha_max=alpha_max)
         return to_tiles(torch.cat([img, alpha], -1)[0], ts, tw, th)[lo:hi]
 
 
