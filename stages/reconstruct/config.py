@@ -63,6 +63,10 @@ class NerfParams:
     # allow_tf32, process-wide); "bfloat16" (autocast; densities and colours still float32)
     mlp_precision: Literal["float32", "tf32", "bfloat16"] = "float32"
     near: float = 0.02
+    # mip-NeRF 360's distortion loss (eq. 15) x this, on each ray's weights along it (t in scene
+    # units): it penalises weight spread along a ray, as floaters and fog spread it. 0 = off
+    # (instant-ngp has none; mip-NeRF 360 weighs 0.01 in its normalised ray space).
+    distortion_loss: float = 0.0
     # Unbounded scenes (real captures with backgrounds): "mipnerf360" contracts the world outside the
     # box into a shell around it (mip-NeRF 360's contraction, L-inf as in nerfstudio), so the hash grid
     # and the occupancy grid cover everything and rays march on past the box in steps uniform in
@@ -109,6 +113,7 @@ class NerfParams:
         check(self.target_samples == 0 or self.target_samples >= 1024, "target_samples",
               "must be 0 (off) or >= 1024", self.target_samples)
         check(self.near >= 0, "near", "must be >= 0", self.near)
+        check(self.distortion_loss >= 0, "distortion_loss", "must be >= 0 (0 = off)", self.distortion_loss)
         check(0 <= self.appearance_dim <= 256, "appearance_dim", "must be in 0..256", self.appearance_dim)
         for key in ("fused_render", "cuda_graph", "random_background"):
             switch(self, key)

@@ -62,12 +62,13 @@ class CapturedStep(GraphStep):
         self.rays = 0
 
     # ------------------------------------------------------------------ the captured body
-    def _body(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _body(self) -> tuple:
         st = self._static
-        mse, out = self.method.packed_loss(st["o"], st["d"], st["rgb"], st["jitter"], capacity=self.capacity,
-                                           background=st.get("bg"), image=st.get("image"))
-        mse.backward()
-        return mse.detach(), out["num_samples"], out["total_samples"]
+        loss, info, out = self.method.packed_loss(st["o"], st["d"], st["rgb"], st["jitter"],
+                                                  capacity=self.capacity, background=st.get("bg"),
+                                                  image=st.get("image"))
+        loss.backward()
+        return info["mse"], out["num_samples"], out["total_samples"], info.get("distortion")
 
     # ------------------------------------------------------------------ replay
     def __call__(self, o: torch.Tensor, d: torch.Tensor, rgb: torch.Tensor, jitter: torch.Tensor,
@@ -89,5 +90,5 @@ class CapturedStep(GraphStep):
         out = self._run({"o": o, "d": d, "rgb": rgb, "jitter": jitter, "bg": background, "image": image})
         if out is None:
             return None
-        mse, num, _ = out
-        return mse.clone(), num.clone()
+        mse, num, _, dist = out
+        return mse.clone(), num.clone(), None if dist is None else dist.clone()

@@ -159,20 +159,32 @@ class NerfMethod:
         out = render_rays(
             self.field, self.grid, o, d, self.step_size, self.max_steps,
             near=self.cfg.near, perturb=True, generator=generator, fused=self.fused, background=background,
-            appearance=appearance,
+            appearance=appearance, distortion=self.cfg.distortion_loss > 0,
         )
         mse = torch.nn.functional.mse_loss(out["rgb"], rgb)
-        return mse, {"mse": mse.detach(), "num_samples": out["num_samples"]}
+        return self._with_distortion(mse, out)
+
+    def _with_distortion(self, mse: torch.Tensor, out: dict) -> tuple[torch.Tensor, dict]:
+        """(the training loss, its info): the MSE, plus ``distortion_loss`` x the rays' mean distortion."""
+        info = {"mse": mse.detach(), "num_samples": out["num_samples"]}
+        if "distortion" not in out:
+            return mse, info
+        dist = out["distortion"].mean()
+        info["distortion"] = dist.detach()
+        return mse + self.cfg.distortion_loss * dist, info
 
     def packed_loss(self, o, d, rgb, jitter: torch.Tensor, capacity: int | None = None,
                     background: torch.Tensor | None = None, image: torch.Tensor | None = None):
-        """(mse, render output) of the packed renderer with the sample ``jitter`` given and an
+        """(loss, info, render output) of the packed renderer with the sample ``jitter`` given and an
         optional fixed sample budget: the body of a CUDA-graph step (nerf/graph.py) and of the eager
-        step that sizes its first budget. ``image``: each ray's training image (appearance codes)."""
+        step that sizes its first budget. ``image``: each ray's training image (appearance codes).
+        The loss is the MSE, plus the distortion term when ``distortion_loss`` > 0."""
         out = render_packed(self.field, self.grid, o, d, jitter, self.step_size, self.max_steps,
                             self.cfg.near, capacity=capacity, background=background,
-                            appearance=None if image is None else self.field.appearance(image))
-        return torch.nn.functional.mse_loss(out["rgb"], rgb), out
+                            appearance=None if image is None else self.field.appearance(image),
+                            distortion=self.cfg.distortion_loss > 0)
+        loss, info = self._with_distortion(torch.nn.functional.mse_loss(out["rgb"], rgb), out)
+        return loss, info, out
 
     def targets(self, rgb: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The colours [R, 3] a batch trains on and the background [R, 3] to render them on (None: the
@@ -199,11 +211,14 @@ class NerfMethod:
             jitter = sample_jitter(o.shape[0], True, generator, self.device)  # as render_rays draws it
             got = self.graphed(o, d, rgb, jitter, bg, image)
             if got is not None:
-                return {"loss": got[0], "mse": got[0], "num_samples": got[1]}
+                mse, num, dist = got
+                if dist is None:
+                    return {"loss": mse, "mse": mse, "num_samples": num}
+                return {"loss": mse + self.cfg.distortion_loss * dist, "mse": mse, "distortion": dist,
+                        "num_samples": num}
             # no sample count yet to size the graph's budget: this step runs eagerly and gives one
-            loss, out = self.packed_loss(o, d, rgb, jitter, background=bg, image=image)
+            loss, info, out = self.packed_loss(o, d, rgb, jitter, background=bg, image=image)
             self.graphed.observe(int(out["num_samples"]))
-            info = {"mse": loss.detach(), "num_samples": out["num_samples"]}
         else:
             app = None if image is None else self.field.appearance(image)
             loss, info = self.loss(o, d, rgb, generator, bg, app)
@@ -212,7 +227,7 @@ class NerfMethod:
             before_backward()
         if loss.requires_grad:  # a batch whose rays all missed the occupied cells trains nothing
             loss.backward()
-        return {"loss": info["mse"], **info}
+        return {"loss": loss.detach(), **info}
 
     def _counted(self) -> tuple[int, int]:
         """(samples, rays) of the last micro-batch: its eager count, or a graph step's, waiting for

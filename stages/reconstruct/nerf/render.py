@@ -7,6 +7,14 @@ Mildenhall et al. 2020, eq. 3) over the learned background colour. With scene co
 (``field.contract``) a ray does not stop at the box: past it the steps are uniform in disparity,
 out to ~1000 times the distance it took to cross the box, and each sample has its own step length
 (kernels/_reference.py march_steps_reference).
+
+Optionally each ray's distortion (mip-NeRF 360, Barron et al. 2022, eq. 15) comes back too:
+``sum_ij w_i w_j |t_i - t_j| + 1/3 sum_i w_i^2 dt_i`` over its samples (t: midpoints, dt: step
+lengths), small when the ray's weight sits in one short stretch and large when it is spread out,
+as floaters and fog spread it. It is computed in O(samples) with prefix sums within each ray
+(the double sum over i < j is ``sum_i w_i (t_i W_i - (wt)_i)`` with W, (wt) the sums before i),
+in PyTorch ops that run the same on the CPU and the GPU; the packed renderer gets its weights
+again from the densities for it (``kernels.composite`` returns only the composites).
 """
 from __future__ import annotations
 
@@ -22,6 +30,46 @@ from .occupancy import OccupancyGrid
 def ray_aabb(o: torch.Tensor, d: torch.Tensor, aabb: torch.Tensor, near: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Entry and exit distances [R] of rays with the box; exit <= entry means a miss."""
     return ray_box_reference(o, d, aabb, near)  # one definition for both renderers (kernels/_reference.py)
+
+
+def packed_weights(sigma: torch.Tensor, steps: torch.Tensor, ray_index: torch.Tensor, offsets: torch.Tensor,
+                   counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable weights ``w_i = (1 - exp(-sigma_i dt_i)) exp(-sum_{j<i} sigma_j dt_j)`` [S] of
+    packed samples (ray r owns rows ``offsets[r] .. + counts[r] - 1``), and the mask [S] of rows that
+    belong to a ray (rows past the last sample, which a fixed budget leaves, weigh 0). The optical
+    depths are summed in float64: a prefix sum over all rows minus the one before the ray's first."""
+    rows = torch.arange(sigma.shape[0], device=sigma.device)
+    start = offsets[ray_index]
+    inside = (rows - start) < counts[ray_index].long()
+    x = (sigma.double() * steps.double()) * inside
+    total = torch.cumsum(x, 0)
+    before = total - x - (total[start] - x[start])  # optical depth in front of each sample, in its ray
+    return (-torch.expm1(-x) * torch.exp(-before)).to(sigma.dtype), inside
+
+
+def distortion_packed(w: torch.Tensor, t: torch.Tensor, steps: torch.Tensor, ray_index: torch.Tensor,
+                      offsets: torch.Tensor, n_rays: int) -> torch.Tensor:
+    """Each ray's distortion [n_rays] (see the module docstring) from packed weights ``w`` [S] (0 on
+    rows of no ray), midpoints ``t`` [S] (ascending within a ray) and step lengths ``steps`` [S]."""
+    w64, t64 = w.double(), t.double()
+    start = offsets[ray_index]
+
+    def before(v):  # the sum of v over the earlier samples of the same ray
+        c = torch.cumsum(v, 0)
+        return c - v - (c[start] - v[start])
+
+    per_sample = 2.0 * w64 * (t64 * before(w64) - before(w64 * t64)) + w64 * w64 * steps.double() / 3.0
+    out = torch.zeros(n_rays, dtype=torch.float64, device=w.device).index_add_(0, ray_index, per_sample)
+    return out.to(w.dtype)
+
+
+def distortion_dense(w: torch.Tensor, t: torch.Tensor, dt) -> torch.Tensor:
+    """Each ray's distortion [R] from dense weights ``w`` [R, S] (0 where a sample is not taken),
+    midpoints ``t`` [R, S] and the step ``dt`` (a number or [R, S])."""
+    w64, t64 = w.double(), t.double()
+    dt64 = dt.double() if isinstance(dt, torch.Tensor) else dt
+    cw, cwt = torch.cumsum(w64, 1) - w64, torch.cumsum(w64 * t64, 1) - w64 * t64
+    return (2.0 * w64 * (t64 * cw - cwt) + w64 * w64 * dt64 / 3.0).sum(1).to(w.dtype)
 
 
 def sample_jitter(rays: int, perturb: bool, generator: torch.Generator | None,
@@ -46,6 +94,7 @@ def render_rays(
     fused: bool = False,
     background: torch.Tensor | None = None,
     appearance: torch.Tensor | None = None,
+    distortion: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Render rays [R, 3] (origins ``o``, unit directions ``d``).
 
@@ -55,17 +104,18 @@ def render_rays(
     launches instead of ~60. ``background``: a colour [R, 3] per ray behind the field (random
     colours while training on images with alpha); None: the field's own (learned or fixed).
     ``appearance``: each ray's appearance code [R, appearance_dim] (None: the field's mean code).
+    ``distortion``: also each ray's distortion (module docstring), differentiable.
 
     Returns:
         dict with ``rgb`` [R, 3], ``opacity`` [R], ``depth`` [R] and ``num_samples``
-        (network evaluations, a 0-d tensor).
+        (network evaluations, a 0-d tensor); with ``distortion``, ``distortion`` [R].
     """
     R = o.shape[0]
     dev = o.device
     jitter = sample_jitter(R, perturb, generator, dev)  # the same draws for both paths
     if fused:
         return render_packed(field, grid, o, d, jitter, step_size, max_samples, near, background=background,
-                             appearance=appearance)
+                             appearance=appearance, distortion=distortion)
     if field.contract:  # linear, then uniform in disparity; each sample its own step
         t, dt, valid = march_steps_reference(o, d, jitter, field.aabb, step_size, max_samples, near, True)
     else:
@@ -94,7 +144,10 @@ def render_rays(
     bg = field.background_rgb() if background is None else background
     color = (w[..., None] * rgb).sum(dim=1) + (1.0 - opacity)[:, None] * bg
     depth = (w * t).sum(dim=1)
-    return {"rgb": color, "opacity": opacity, "depth": depth, "num_samples": torch.tensor(idx[0].numel())}
+    out = {"rgb": color, "opacity": opacity, "depth": depth, "num_samples": torch.tensor(idx[0].numel())}
+    if distortion:
+        out["distortion"] = distortion_dense(w, t, dt)
+    return out
 
 
 # A ray stops once its transmittance is below this (instant-ngp; nerfacc's early_stop_eps): what is
@@ -176,12 +229,12 @@ def render_rays_early_stop(
 def render_packed(field: NerfField, grid: OccupancyGrid | None, o: torch.Tensor, d: torch.Tensor,
                   jitter: torch.Tensor, step_size: float, max_samples: int, near: float = 0.0,
                   capacity: int | None = None, background: torch.Tensor | None = None,
-                  appearance: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                  appearance: torch.Tensor | None = None, distortion: bool = False) -> dict[str, torch.Tensor]:
     """The packed-sample renderer of :func:`render_rays` (``fused=True``) with the sample jitter [R]
     given. ``capacity``: a fixed sample budget (see :func:`kernels.march_rays`): no host sync and
     the same shapes every call (what a CUDA graph needs); ``num_samples`` is then a 0-d device
     tensor (the samples evaluated; a 0-d CPU tensor without a budget) and ``total_samples`` the
-    count before the budget's cut. ``background``, ``appearance``: as :func:`render_rays`."""
+    count before the budget's cut. ``background``, ``appearance``, ``distortion``: as :func:`render_rays`."""
     use = field.encoding.use_kernels  # the method's resolved choice: kernels here, or the references
     s = kernels.march_rays(o.float().contiguous(), d.float().contiguous(), jitter, field.aabb,
                            None if grid is None else grid.mask, step_size, max_samples, near,
@@ -196,6 +249,10 @@ def render_packed(field: NerfField, grid: OccupancyGrid | None, o: torch.Tensor,
     bg = field.background_rgb() if background is None else background
     color = color + (1.0 - opacity)[:, None] * bg
     out = {"rgb": color, "opacity": opacity, "depth": depth}
+    if distortion:
+        steps = s.steps if s.steps is not None else torch.full_like(s.t, step_size)
+        w, _ = packed_weights(sigma.float(), steps, s.ray_index, s.offsets, s.counts)
+        out["distortion"] = distortion_packed(w, s.t, steps, s.ray_index, s.offsets, o.shape[0])
     if capacity is None:
         out["num_samples"] = torch.tensor(s.t.numel())
     else:
