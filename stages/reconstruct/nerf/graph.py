@@ -45,8 +45,10 @@ class CapturedStep(GraphStep):
 
     Call it with a micro-batch's rays ``o``, ``d`` [R, 3], target ``rgb`` [R, 3], sample
     ``jitter`` [R] and optionally a ``background`` [R, 3] per ray (random backgrounds) and each ray's
-    training ``image`` [R] (appearance codes): the gradients of the mean squared error are *added* to the parameters' ``.grad``
-    (as ``loss.backward()`` would) and ``(mse, num_samples)`` come back as 0-d device tensors. It
+    training ``image`` [R] (appearance codes): the gradients of the training loss (the mean squared
+    error, plus the distortion term with ``nerf.distortion_loss`` > 0) are *added* to the parameters'
+    ``.grad`` (as ``loss.backward()`` would) and ``(mse, num_samples, distortion)`` come back as 0-d
+    device tensors (``distortion`` None when the term is off). It
     returns None while it has no sample count to size the budget from; the caller then runs the
     step eagerly and reports the count with :meth:`observe`.
 
