@@ -312,19 +312,22 @@ def main(argv: list[str] | None = None) -> int:
             tmp.write_text(json.dumps({"environment": env, "peer": peer, "rows": rows}, indent=1))
             tmp.replace(args.json)
 
+    # the rows of every scene and step count, then --only's side of them (MCMC resets nothing)
+    reset_row = (args.gsplat_reset_fix or args.only == "gsplat+reset") and over.get("strategy") != "mcmc"
+    sides = ["rayforge"] + (["rayforge-eager"] if args.eager else [])
+    if have_gsplat:
+        sides += ["gsplat"] + (["gsplat+reset"] if reset_row else [])
+    if args.only:
+        keep = {"rayforge": ("rayforge", "rayforge-eager"), "gsplat": ("gsplat", "gsplat+reset"),
+                "gsplat+reset": ("gsplat+reset",)}[args.only]
+        sides = [impl for impl in sides if impl in keep]
+
     for spec in args.poses:
         name, _, path = spec.partition("=")
         scene = load_scene(path)
         print(f"== {name}: {len(scene.train)} train / {len(scene.test)} test views, "
               f"{0 if scene.points is None else len(scene.points)} sparse points", flush=True)
         for steps in args.steps:
-            sides = [] if args.only in ("gsplat", "gsplat+reset") else ["rayforge"]
-            sides += ["rayforge-eager"] if args.eager and sides else []
-            if have_gsplat:
-                reset_row = (args.gsplat_reset_fix or args.only == "gsplat+reset") and over.get("strategy") != "mcmc"
-                sides += ["gsplat", "gsplat+reset"] if reset_row else ["gsplat"]  # (MCMC resets nothing)
-                if args.only == "gsplat+reset":
-                    sides = ["gsplat+reset"]
             for impl in sides:
                 ply = None if args.save_ply is None else args.save_ply / f"{name}_{steps}.ply"
                 if impl == "rayforge":
