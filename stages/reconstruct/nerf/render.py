@@ -37,14 +37,20 @@ def packed_weights(sigma: torch.Tensor, steps: torch.Tensor, ray_index: torch.Te
     """Differentiable weights ``w_i = (1 - exp(-sigma_i dt_i)) exp(-sum_{j<i} sigma_j dt_j)`` [S] of
     packed samples (ray r owns rows ``offsets[r] .. + counts[r] - 1``), and the mask [S] of rows that
     belong to a ray (rows past the last sample, which a fixed budget leaves, weigh 0). The optical
-    depths are summed in float64: a prefix sum over all rows minus the one before the ray's first."""
+    depths are summed in float64."""
     rows = torch.arange(sigma.shape[0], device=sigma.device)
     start = offsets[ray_index]
     inside = (rows - start) < counts[ray_index].long()
     x = (sigma.double() * steps.double()) * inside
-    total = torch.cumsum(x, 0)
-    before = total - x - (total[start] - x[start])  # optical depth in front of each sample, in its ray
+    before = _sum_before(x, start)  # optical depth in front of each sample, in its ray
     return (-torch.expm1(-x) * torch.exp(-before)).to(sigma.dtype), inside
+
+
+def _sum_before(v: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """Per packed row, the sum of ``v`` over the earlier rows of its ray (``start``: each row's ray's
+    first row): a prefix sum over all rows minus the one before the ray's first."""
+    c = torch.cumsum(v, 0)
+    return c - v - (c[start] - v[start])
 
 
 def distortion_packed(w: torch.Tensor, t: torch.Tensor, steps: torch.Tensor, ray_index: torch.Tensor,
@@ -53,12 +59,8 @@ def distortion_packed(w: torch.Tensor, t: torch.Tensor, steps: torch.Tensor, ray
     rows of no ray), midpoints ``t`` [S] (ascending within a ray) and step lengths ``steps`` [S]."""
     w64, t64 = w.double(), t.double()
     start = offsets[ray_index]
-
-    def before(v):  # the sum of v over the earlier samples of the same ray
-        c = torch.cumsum(v, 0)
-        return c - v - (c[start] - v[start])
-
-    per_sample = 2.0 * w64 * (t64 * before(w64) - before(w64 * t64)) + w64 * w64 * steps.double() / 3.0
+    per_sample = (2.0 * w64 * (t64 * _sum_before(w64, start) - _sum_before(w64 * t64, start))
+                  + w64 * w64 * steps.double() / 3.0)
     out = torch.zeros(n_rays, dtype=torch.float64, device=w.device).index_add_(0, ray_index, per_sample)
     return out.to(w.dtype)
 
