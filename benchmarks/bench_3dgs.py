@@ -33,12 +33,16 @@ Both are evaluated by the same code: every test view rendered at its own camera 
 evaluation background (white for RGBA views, as the evaluate stage composites them),
 clamped, scored with ``stages.common.metrics`` (PSNR, SSIM), and timed (render FPS). Training
 time is wall time of the loop (CUDA synchronised at the end), peak memory is
-``torch.cuda.max_memory_allocated`` over training. Prints a table; ``--json`` writes the rows.
+``torch.cuda.max_memory_allocated`` over training, counted from a clean start: earlier rows are
+collected first (``settle``; before 2026-12-02 a row's peak also held what earlier rows of the
+same process had left), and each row's ``left_gb`` is what it left allocated. Prints a table;
+``--json`` writes the rows.
 Needs only torch, gsplat and this repo on the GPU host.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import sys
@@ -95,15 +99,48 @@ def evaluate(render, scene, device) -> dict:
             "test_views": len(test)}
 
 
+def settle(device) -> int:
+    """Free what earlier rows left (their methods hold reference cycles, e.g. a CUDA graph and the
+    method it captures, which only the cycle collector frees), restart the peak-memory statistics
+    and return the bytes still allocated: a row's peak then counts only what is alive for it."""
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+MEMORY_REPORT = False  # --memory-report: allocation sites recorded (slower: not for timing)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def live_memory_by_site(device, top: int = 12) -> list[list]:
+    """The live CUDA allocations grouped by the repo's innermost two frames that made them, largest
+    first, as [site, GB, blocks]; ``graph pool`` marks blocks in a CUDA graph's private pool."""
+    snap = torch.cuda.memory._snapshot(device)
+    sites: dict[str, list] = {}
+    for seg in snap.get("segments", []):
+        private = tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0)
+        for b in seg.get("blocks", []):
+            if b.get("state") != "active_allocated":
+                continue
+            ours = [f for f in b.get("frames") or [] if str(REPO) in f.get("filename", "")][:2]
+            site = " < ".join(f"{Path(f['filename']).relative_to(REPO)}:{f['line']}" for f in ours) or "outside the repo"
+            entry = sites.setdefault(("graph pool: " if private else "") + site, [0, 0])
+            entry[0] += b["size"]
+            entry[1] += 1
+    return [[k, round(v[0] / 1e9, 4), v[1]] for k, v in sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]]
+
+
 def run_ours(scene, steps: int, device, over: dict | None = None, ply: Path | None = None) -> dict:
     from stages.reconstruct.train import train
 
     params = our_params(steps, over)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
+    settle(device)
     res = train(params, scene, device, SEED, progress=False)
     peak = torch.cuda.max_memory_allocated(device)
     m = res.method
+    live = live_memory_by_site(device) if MEMORY_REPORT else None
     if ply is not None:  # the trained Gaussians, e.g. for bench_rasterizer.py --ply
         from stages.reconstruct.gs.ply import save_ply
 
@@ -111,6 +148,8 @@ def run_ours(scene, steps: int, device, over: dict | None = None, ply: Path | No
     out = {"impl": "rayforge" + ("-mcmc" if params.gs.strategy == "mcmc" else ""), "train_s": res.train_time_s,
            "gaussians": m.n, "peak_gb": peak / 1e9,
            "skipped_steps": res.skipped_steps, "cuda_graph": m.summary().get("cuda_graph")}
+    if live is not None:
+        out["memory_live_after_training"] = live
     out.update(evaluate(lambda intr, c2w: m.render_image(intr, c2w), scene, device))
     return out
 
@@ -184,8 +223,7 @@ def run_gsplat(scene, steps: int, device, over: dict | None = None, reset_fix: b
     views = _Views(scene.train.to(device), ViewSampler(len(scene.train), shard), device)  # as ours reads them
     rgba = views.channels == 4
     eval_bg = eval_background(scene).to(device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
+    settle(device)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for step in range(steps):
@@ -270,12 +308,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="also train ours without the CUDA-graph views (gs.cuda_graph: off; row rayforge-eager)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--save-ply", type=Path, help="folder: our trained Gaussians as <scene>_<steps>.ply")
+    ap.add_argument("--memory-report", action="store_true",
+                    help="record CUDA allocation sites and list the live ones after our training and after each row "
+                         "(slows training: its times are not comparable)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_3dgs: needs a CUDA GPU", file=sys.stderr)
         return 2
     device = torch.device("cuda", 0)
     torch.zeros(1, device=device)  # a CUDA context before the memory-statistics calls (--only rayforge has no warm-up)
+    if args.memory_report:
+        global MEMORY_REPORT
+        MEMORY_REPORT = True
+        torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=100_000)
     over = {}
     for kv in args.set:
         k, _, v = kv.partition("=")
@@ -303,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         env["gsplat"] = gsplat.__version__
     if over:
         env["set"] = over  # the --set values: our rows' reconstruct.gs overrides
+    if args.memory_report:
+        env["memory_report"] = "allocation sites recorded: training times are not comparable"
 
     def save() -> None:  # after every row: a run cut short by a time limit keeps what it finished
         if args.json:
@@ -337,7 +384,14 @@ def main(argv: list[str] | None = None) -> int:
                     row["impl"] += "-eager"
                 else:
                     row = run_gsplat(scene, steps, device, over, reset_fix=impl == "gsplat+reset")
-                row.update(scene=name, steps=steps)
+                # what the row left allocated once its objects are gone (should be ~0: the scene's tensors
+                # are on the CPU); a leak would otherwise show up as the next row's peak
+                row.update(scene=name, steps=steps, left_gb=settle(device) / 1e9)
+                if MEMORY_REPORT and row["left_gb"] > 0.001:
+                    row["memory_left"] = live_memory_by_site(device)
+                for key in ("memory_live_after_training", "memory_left"):
+                    for site, gb, blocks in row.get(key, [])[:6]:
+                        print(f"   {key}: {gb:7.3f} GB in {blocks:5d} blocks at {site}", flush=True)
                 rows.append(row)
                 save()
                 print(f"   {impl:14s} {steps:6d} steps: {row['train_s']:7.1f} s, PSNR {row['psnr']:.2f}, SSIM "
