@@ -18,9 +18,10 @@ Figures per scene and rasterizer: forward, backward and forward+backward in ms (
 --warmup iterations, then the median of --repeats >= 20), peak memory of a forward+backward above
 what the inputs hold, and the image difference; for ours also the first-use NVRTC compile and load
 of the rasterizer's programs (an empty kernel cache) and the stage times of our pipeline. Ours runs
-twice, once per way of sorting the M camera|tile keys (after a depth sort of the N Gaussians):
-torch.sort (stable, all 32 bits, an int64 permutation) and our own radix sort (only the keys' bits,
-key/value pairs; kernels/_gs_cuda.py SORT picks the default), and once more with validate=False, as
+once per way of sorting the M camera|tile keys (after a depth sort of the N Gaussians):
+torch.sort (stable, all 32 bits, an int64 permutation), torch.sort of the keys narrowed to int16
+(``torch16``: fewer than 2^15 camera|tile ids, half the radix passes) and our own radix sort (only
+the keys' bits, key/value pairs; kernels/_gs_cuda.py SORT picks the default), and once more with validate=False, as
 the training loop calls it (the public default checks the values: one kernel and a host read that
 waits for the GPU, which gsplat does not do). Two more rows of ours: with a fixed budget of tile
 intersections (``capacity``, 30 % above the count: no host read at all), and that call's forward
@@ -241,14 +242,14 @@ def stage_times(params, view, Ks, sh_degree, repeats):
     rgb, t_sh = ms(lambda: torch.clamp_min(_gs_cuda.spherical_harmonics(sh_degree, dirs, sh) + 0.5, 0.0))
     op = opac[None].contiguous()
     t_bin = {}
-    for sort in ("torch", "radix"):
+    for sort in ("torch", "torch16", "radix"):
         _gs_cuda.SORT = sort
         bins, t_bin[sort] = ms(lambda: _gs_cuda.bin_tiles(proj.means2d, proj.radii, proj.depths, 16, tw, th,
                                                           _check_budget, WIDTH, HEIGHT, proj.conics, op))
     _, t_raster = ms(lambda: _gs_cuda.rasterize_to_pixels(proj.means2d, proj.conics, rgb.contiguous(), op, WIDTH,
                                                          HEIGHT, 16, bins[3], bins[2], None, False))
     return {"projection_ms": t_proj, "sh_ms": t_sh, "binning_torch_sort_ms": t_bin["torch"],
-            "binning_radix_sort_ms": t_bin["radix"], "rasterize_fwd_ms": t_raster, "intersections": int(bins[2].numel())}
+            "binning_torch16_sort_ms": t_bin["torch16"], "binning_radix_sort_ms": t_bin["radix"], "rasterize_fwd_ms": t_raster, "intersections": int(bins[2].numel())}
 
 
 def first_use_compile(device) -> dict:
@@ -345,7 +346,7 @@ def main(argv=None) -> int:
 
         default_sort = _gs_cuda.SORT
         row = {"scene": name, "gaussians": int(means.shape[0]), "image": image, "default_sort": default_sort}
-        for sort in ("torch", "radix"):
+        for sort in ("torch", "torch16", "radix"):
             _gs_cuda.SORT = sort
             row[f"ours_{sort}_sort"] = timed(ours, params, cot, args.warmup, args.repeats)
         row["ours_torch_sort_unvalidated"] = timed(ours_unchecked, params, cot, args.warmup, args.repeats)
@@ -354,7 +355,7 @@ def main(argv=None) -> int:
         row["gsplat"] = timed(theirs, params, cot, args.warmup, args.repeats)
         row["ours_stages"] = stage_times(params, view, Ks, args.sh_degree, args.repeats)
         _gs_cuda.SORT = default_sort
-        for key in ("torch_sort", "radix_sort", "torch_sort_unvalidated", "budget", "cuda_graph"):
+        for key in ("torch_sort", "torch16_sort", "radix_sort", "torch_sort_unvalidated", "budget", "cuda_graph"):
             ours_t = row[f"ours_{key}"]
             row[f"ratio_{key}"] = {k: ours_t[k] / row["gsplat"][k] for k in ours_t
                                    if ours_t[k] is not None and row["gsplat"][k]}
@@ -378,11 +379,13 @@ def main(argv=None) -> int:
 def _print_row(row: dict) -> None:
     print(f"\n{row['scene']}: {row['gaussians']} Gaussians at {WIDTH}x{HEIGHT}, "
           f"{row['ours_stages']['intersections']} intersections (ours)")
-    print(f"  {'':16s} {'ours':>10s} {'gsplat':>10s} {'ratio':>7s}   {'ours, radix':>11s} {'ratio':>7s}")
-    t, r, g = row["ours_torch_sort"], row["ours_radix_sort"], row["gsplat"]
+    print(f"  {'':16s} {'ours':>10s} {'gsplat':>10s} {'ratio':>7s}   {'ours, int16':>11s} {'ratio':>7s}"
+          f"   {'ours, radix':>11s} {'ratio':>7s}")
+    t, t16, r, g = row["ours_torch_sort"], row["ours_torch16_sort"], row["ours_radix_sort"], row["gsplat"]
     for key, label in (("forward_ms", "forward ms"), ("backward_ms", "backward ms"), ("fwd_bwd_ms", "fwd+bwd ms"),
                        ("peak_mib", "peak MiB")):
         print(f"  {label:16s} {t[key]:10.3f} {g[key]:10.3f} {row['ratio_torch_sort'][key]:7.2f}   "
+              f"{t16[key]:11.3f} {row['ratio_torch16_sort'][key]:7.2f}   "
               f"{r[key]:11.3f} {row['ratio_radix_sort'][key]:7.2f}")
     u, ru = row["ours_torch_sort_unvalidated"], row["ratio_torch_sort_unvalidated"]
     print(f"  ours with validate=False (the training loop's call, no host read): fwd {u['forward_ms']:.3f} / "
@@ -395,7 +398,8 @@ def _print_row(row: dict) -> None:
           f"{ru['fwd_bwd_ms']:.2f}x gsplat's eager call")
     s = row["ours_stages"]
     print(f"  ours, forward stages ms: projection {s['projection_ms']:.3f}, SH {s['sh_ms']:.3f}, binning "
-          f"{s['binning_torch_sort_ms']:.3f} (torch.sort) / {s['binning_radix_sort_ms']:.3f} (radix), "
+          f"{s['binning_torch_sort_ms']:.3f} (torch.sort) / {s['binning_torch16_sort_ms']:.3f} (int16) / "
+          f"{s['binning_radix_sort_ms']:.3f} (radix), "
           f"blending {s['rasterize_fwd_ms']:.3f}")
     im = row["image"]
     print(f"  image vs gsplat: max |diff| {im['max_abs_diff']:.2e}, mean {im['mean_abs_diff']:.2e}; with "

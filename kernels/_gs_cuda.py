@@ -25,9 +25,13 @@ DEFINES = {"RF_ALPHA_MIN": f"({ALPHA_MIN!r}f)", "RF_ALPHA_MAX": f"({ALPHA_MAX!r}
 _PROJECT = ["check_inputs", "projection_fwd", "projection_bwd", "sh_fwd", "sh_bwd"]
 _TILES = ["tile_counts", "tile_emit", "tile_finish", "tile_offsets", "radix_histogram", "radix_scatter"]
 # How bin_tiles sorts the M camera|tile keys: "torch" (torch.sort, stable, all 32 bits, an int64
-# permutation) or "radix" (csrc/gaussians_tiles.cu: only the key's bits, key/value pairs, 16 bytes
-# per intersection instead of ~32). benchmarks/bench_rasterizer.py measures both.
+# permutation), "torch16" (torch.sort of the keys narrowed to int16 where the cameras' tiles number
+# fewer than 2^15, e.g. up to four 1080p views at 16 px: half the radix passes; else as "torch") or
+# "radix" (csrc/gaussians_tiles.cu: only the key's bits, key/value pairs, 16 bytes per intersection
+# instead of ~32). benchmarks/bench_rasterizer.py measures each.
 SORT = "torch"
+_PAD_KEY = 2**31 - 1  # tile_emit's key for the unused tail of a fixed budget: sorts after every real key
+_SHIFT16 = 2**31 - 2**15  # tile_emit's int32 key, (camera | tile) ^ 0x80000000, plus this: (camera | tile) - 2^15
 _SORT_ITEMS = 256 * 16  # keys per radix block (kSortItems)
 _programs: dict[str, KernelProgram] = {}
 
@@ -232,6 +236,8 @@ def bin_tiles(means2d, radii, depths, tile_size, tile_width, tile_height, check_
         if SORT == "radix":
             sorted_keys, values = _radix_sort(keys, values, sum(key_bits(C, n_tiles)))
             perm = None
+        elif SORT == "torch16" and C * n_tiles < 2**15:
+            sorted_keys, perm = sort_keys_int16(keys)
         else:
             sorted_keys, perm = torch.sort(keys, stable=True)
         del keys
@@ -239,6 +245,16 @@ def bin_tiles(means2d, radii, depths, tile_size, tile_width, tile_height, check_
                     [(M, i64), _p(needed), _p(sorted_keys), _p(perm), _p(values), _p(depths), (tile_bits, i32),
                      (n_tiles, i32), (C * n_tiles, i64), _p(flatten_ids), _p(isect_ids), _p(offsets)], device=dev)
     return counts.view(C, N), isect_ids, flatten_ids, offsets.view(C, tile_height, tile_width), needed
+
+
+def sort_keys_int16(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.sort(keys, stable=True) for tile_emit's int32 keys when every camera | tile id is below
+    2^15: the keys are sorted as int16 (half the radix passes of int32) and widened back. Returns
+    (sorted int32 keys, int64 permutation); the tail's padding keys sort last, as they do in int32,
+    and come back as other values below _PAD_KEY (tile_finish never reads past the count needed)."""
+    narrow = torch.where(keys == _PAD_KEY, 2**15 - 1, keys + _SHIFT16).to(torch.int16)
+    sorted16, perm = torch.sort(narrow, stable=True)
+    return sorted16.to(torch.int32) - _SHIFT16, perm
 
 
 def _radix_sort(keys, values, bits):

@@ -87,7 +87,13 @@ class _CaptureFails:
                 self.attempts += 1
                 raise RuntimeError("operation not permitted when stream is capturing")
 
-        return Failing(SimpleNamespace(device=torch.device("cpu")), required=required)
+        class Owner(SimpleNamespace):  # a graph step holds its method weakly: the test keeps it alive
+            pass
+
+        owner = Owner(device=torch.device("cpu"))
+        step = Failing(owner, required=required)
+        step.owner = owner
+        return step
 
 
 def test_a_failed_capture_falls_back_to_eager_steps_under_auto(caplog):

@@ -85,6 +85,27 @@ def test_the_budget_follows_the_gaussians_when_densification_grows_them(tmp_path
     assert view._need == 500
 
 
+def test_a_dropped_method_frees_its_graph_step_without_the_cycle_collector(tmp_path):
+    """The method owns its graph step and the step refers back to it weakly: dropping the method
+    frees both at once (a reference cycle would keep a graph's memory pool until gc ran)."""
+    import gc
+    import weakref
+
+    from stages.reconstruct.gs.graph import CapturedView
+
+    scene = load_scene(splat_poses(tmp_path, views=4))
+    m = GaussianMethod(gs_params(), scene.aabb, torch.device("cpu"), scene=scene)
+    m.graphed = CapturedView(m)
+    assert m.graphed.method.n == m.n  # the step still reads the method through its reference
+    method_ref, step_ref = weakref.ref(m), weakref.ref(m.graphed)
+    gc.disable()
+    try:
+        del m
+        assert method_ref() is None and step_ref() is None
+    finally:
+        gc.enable()
+
+
 # ---------------------------------------------------------------------------- GPU: the budget
 
 

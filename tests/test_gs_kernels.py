@@ -90,7 +90,7 @@ def test_launch_arguments_match_the_kernel_signatures(monkeypatch):
     monkeypatch.setattr(kernels.gaussians, "_use_cuda", lambda device: True)
     means, quats, scales, opac, sh = (t.requires_grad_() for t in gaussians(5, seed=0))
     views, Ks = camera(16, 16, 20.0, n=2, spread=0.1)
-    for mode, ts, sort in (("RGB", 16, "torch"), ("RGB+D", 8, "radix"), ("D", 32, "torch"), ("RGB+ED", 16, "torch")):
+    for mode, ts, sort in (("RGB", 16, "torch"), ("RGB+D", 8, "radix"), ("D", 32, "torch"), ("RGB+ED", 16, "torch16")):
         monkeypatch.setattr(_gs_cuda, "SORT", sort)
         img, alpha, meta = kernels.rasterization(means, quats, scales, opac, sh, views, Ks, 16, 16, sh_degree=3,
                                                  render_mode=mode, backgrounds=torch.rand(2, 3), tile_size=ts,
@@ -204,6 +204,24 @@ def _projected(n, seed, n_cams=2, width=W, height=H, log_scale=(-2.6, 0.7), devi
     return p, opac[None].expand(n_cams, n).contiguous()
 
 
+@pytest.mark.parametrize("ids", [2**15 - 1, 300])
+def test_int16_key_sort_equals_the_int32_sort(ids):
+    """SORT = "torch16": tile_emit's int32 keys narrowed to int16, sorted, widened back, give the
+    keys and the permutation of the stable int32 sort (ties in input order), with a fixed budget's
+    padding tail last; 300 ids make long runs of equal keys, 2^15 - 1 the widest key space it takes."""
+    g = torch.Generator().manual_seed(ids)
+    v = torch.cat([torch.randint(0, ids, (20000,), generator=g, dtype=torch.int32),
+                   torch.tensor([0, ids - 1], dtype=torch.int32)])
+    keys = torch.cat([v + (-2**31), torch.full((777,), _gs_cuda._PAD_KEY, dtype=torch.int32)])  # (id) ^ 0x80000000
+    keys = keys[torch.randperm(keys.numel(), generator=g)]
+    real = int((keys != _gs_cuda._PAD_KEY).sum())
+    want_keys, want_perm = torch.sort(keys, stable=True)
+    got_keys, got_perm = _gs_cuda.sort_keys_int16(keys)
+    assert got_keys.dtype == torch.int32 and got_perm.dtype == torch.int64
+    assert torch.equal(got_perm, want_perm)
+    assert torch.equal(got_keys[:real], want_keys[:real])
+
+
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("M,bits", [(1, 3), (4095, 9), (4096, 14), (123457, 14), (50000, 21), (70000, 31)])
@@ -222,7 +240,7 @@ def test_radix_sort_equals_a_stable_torch_sort(cuda, M, bits):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("sort", ["torch", "radix"])
+@pytest.mark.parametrize("sort", ["torch", "torch16", "radix"])
 @pytest.mark.parametrize("tile_size", [8, 16, 32])
 def test_intersections_and_offsets_equal_the_twin(cuda, tile_size, sort, monkeypatch):
     monkeypatch.setattr(_gs_cuda, "SORT", sort)
@@ -364,7 +382,7 @@ def _compare_renders(cpu, gpu, what):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("mode,sort", [("RGB", "torch"), ("RGB+ED", "torch"), ("RGB", "radix")])
+@pytest.mark.parametrize("mode,sort", [("RGB", "torch"), ("RGB+ED", "torch"), ("RGB", "radix"), ("RGB", "torch16")])
 def test_rasterization_end_to_end_matches_the_twin(cuda, mode, sort, monkeypatch):
     """Projection, SH, binning and blending through the public call, several cameras, antialiased."""
     monkeypatch.setattr(_gs_cuda, "SORT", sort)

@@ -17,6 +17,7 @@ points them at its all-reduce buckets (those are kept when they are what the gra
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import deque
 
 import torch
@@ -49,7 +50,10 @@ class GraphStep:
     MAX_BUDGET: int | None = None  # the largest budget the body accepts (None: no limit)
 
     def __init__(self, method, required: bool = False):
-        self.method = method
+        # held weakly: the method owns its graph step, and a strong reference back would make a
+        # cycle that keeps the graphs' memory pools (about a GB on lego) allocated after the method
+        # is dropped, until the cycle collector happens to run
+        self.method = weakref.proxy(method)
         self.device = method.device
         self.required = required
         self.failed: str | None = None
