@@ -73,8 +73,9 @@ def _blocks(n: int) -> tuple[int]:
     return (-(-n // BLOCK),)
 
 
-def _grad(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(like) if g is None else g.to(torch.float32).contiguous()
+def _grad(g: torch.Tensor | None, shape: tuple, device) -> torch.Tensor:
+    """An output's incoming gradient as float32 and contiguous, zeros of ``shape`` when autograd has none."""
+    return torch.zeros(shape, device=device) if g is None else g.to(torch.float32).contiguous()
 
 
 # ---------------------------------------------------------------------------- projection
@@ -123,9 +124,9 @@ class _Project(torch.autograd.Function):
             return None, None, None, None, None, None, None
         C, N = viewmats.shape[0], means.shape[0]
         v_means, v_quats, v_scales = torch.zeros_like(means), torch.zeros_like(quats), torch.zeros_like(scales)
-        g_means2d = _grad(g_means2d, radii.float())
-        g_depths = _grad(g_depths, radii[..., 0].float())
-        g_conics = _grad(g_conics, torch.empty(C, N, 3, device=means.device))
+        g_means2d = _grad(g_means2d, (C, N, 2), means.device)
+        g_depths = _grad(g_depths, (C, N), means.device)
+        g_conics = _grad(g_conics, (C, N, 3), means.device)
         g_comps = None if g_comps is None or not antialiased else g_comps.to(torch.float32).contiguous()
         if C * N:
             program("project").launch(
@@ -207,7 +208,7 @@ def bin_tiles(means2d, radii, depths, tile_size, tile_width, tile_height, check_
     width = tile_width * tile_size if width is None else width
     height = tile_height * tile_size if height is None else height
     prog = program("tiles")
-    counts = torch.zeros(CN, dtype=torch.int32, device=dev)
+    counts = torch.empty(CN, dtype=torch.int32, device=dev)  # tile_counts writes every entry
     box = [_p(means2d), _p(radii), (int(radii.ndim == 3), i32), _p(conics), _p(opacities), (tile_size, i32),
            (tile_width, i32), (tile_height, i32), (width, i32), (height, i32)]
     if CN:
@@ -339,7 +340,7 @@ class _Rasterize(torch.autograd.Function):
         C, D = colors.shape[0], colors.shape[-1]
         th, tw = isect_offsets.shape[1:]
         dev = means2d.device
-        g_out = _grad(g_out, torch.empty(C, height, width, D, device=dev))
+        g_out = _grad(g_out, (C, height, width, D), dev)
         g_alphas = None if g_alphas is None else g_alphas.to(torch.float32).contiguous()
         v_means2d, v_conics = torch.zeros_like(means2d), torch.zeros_like(conics)
         v_colors, v_opac = torch.zeros_like(colors), torch.zeros_like(opacities)
