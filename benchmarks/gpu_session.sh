@@ -28,7 +28,8 @@ step() {  # step <name> <seconds it needs> <command...>
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 case $PART in
 a)
-  # issue 15: the int16 key sort on the GPU, then the rasterizer beside gsplat with it
+  # issue 15: where a launch's host time goes; the int16 key sort on the GPU, then the rasterizer beside gsplat with it
+  step launch 40 python3 benchmarks/bench_launch.py --json "$OUT/launch.json"
   step sort_tests 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gs_kernels.py -k "torch16 or int16"
   # issue 16: where our peak memory goes (ours alone, then gsplat+reset alone after a settle), and a trained PLY
   step gs_memory 150 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 7000 --gsplat-reset-fix \
