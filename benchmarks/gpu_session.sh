@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a | b; default a)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a | b | c; default a; each about 10 min)
 # Every step runs only when the call's deadline (LIMIT seconds from the start, default 585) leaves
-# it the seconds it asks for; each writes <out>/<step>.log and its JSON, and <out>/steps.log says
-# what ran, what was skipped and each exit code. Expects, in the checkout on the GPU host:
+# it the seconds it asks for; each writes <step>.log and its JSON, and steps.log says what ran,
+# what was skipped and each exit code. They are written under /tmp/gpu_session/<part> and packed
+# into one <out>/<part>.tgz at the end (the device tool returns at most 8 files a call).
+# Expects, in the checkout on the GPU host:
 #   .gpu/data/{lego,fern,fox}  from  bash benchmarks/prepare_scenes.sh .gpu/data   (about 45 MB)
 #   .whl/gsplat-1.5.3-py3-none-any.whl (pip download --no-deps gsplat==1.5.3; README "Development")
 # and both named in the device call's carry. gsplat is installed once a machine into /tmp/site and
 # its JIT build (~90 s) kept in /tmp/ext, so a second call on a warm machine skips both.
 set -uo pipefail
-OUT=${1:?out dir}; PART=${2:-a}; mkdir -p "$OUT"
+DEST=${1:?out dir}; PART=${2:-a}; mkdir -p "$DEST"
+OUT=/tmp/gpu_session/$PART; rm -rf "$OUT"; mkdir -p "$OUT"
+pack() { tar -czf "$DEST/$PART.tgz" -C "$OUT" --exclude ply . && echo "== packed $DEST/$PART.tgz"; }
+trap pack EXIT
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} TORCH_EXTENSIONS_DIR=/tmp/ext
 [ -d /tmp/site/gsplat ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --target /tmp/site .whl/*.whl || echo "gpu_session: gsplat not installed: its rows will be missing" >&2
@@ -34,19 +39,31 @@ a)
   # issue 16: where our peak memory goes (ours alone, then gsplat+reset alone after a settle), and a trained PLY
   step gs_memory 150 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 7000 --gsplat-reset-fix \
     --only rayforge --memory-report --save-ply "$OUT/ply" --json "$OUT/gs_memory.json"
-  step gs_memory_peer 120 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 7000 --only gsplat+reset \
+  step gs_memory_peer 150 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 7000 --only gsplat+reset \
     --json "$OUT/gs_memory_peer.json"
+  # issue 16: does gsplat reach the issue's 33.09 dB on lego at 7k from simple_trainer's own random init?
+  step gsplat_own_init 110 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 7000 --only gsplat \
+    --gsplat-reset-fix --gsplat-own-init --json "$OUT/gsplat_own_init.json"
+  # ... and ours from the same kind of start (gs.init_extent 3.0), and from a cube near the reference's [-1.3, 1.3]^3
+  step ours_init_extent 100 bash -c "python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 7000 --only rayforge \
+    --set init_extent=3.0 --json $OUT/ours_init3.json && python3 benchmarks/bench_3dgs.py --poses lego=$D/lego \
+    --steps 7000 --only rayforge --set init_extent=0.3 --json $OUT/ours_init03.json"
   step raster 200 python3 benchmarks/bench_rasterizer.py --ply "$OUT/ply/lego_7000.ply" --json "$OUT/raster.json"
-  # issue 17: the distortion loss on the GPU profile (fox at 0 measured 26.83 / 26.81 / 26.50 dB with exp lr)
-  step nerf_fox_dist 250 python3 benchmarks/bench_nerf_quality.py --poses fox=$D/fox --budgets 30,60,120 \
-    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0.001 --json "$OUT/nerf_fox_dist.json"
   ;;
 b)
+  # issue 17: the distortion loss on the GPU profile, beside the same run without it (the fox poses of
+  # 2026-12-02; on the earlier ones, without it: 26.83 / 26.81 / 26.50 dB with exp lr)
+  step nerf_fox_dist 250 python3 benchmarks/bench_nerf_quality.py --poses fox=$D/fox --budgets 30,60,120 \
+    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0.001 --json "$OUT/nerf_fox_dist.json"
+  step nerf_fox_base 250 python3 benchmarks/bench_nerf_quality.py --poses fox=$D/fox --budgets 30,60,120 \
+    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0 --json "$OUT/nerf_fox_base.json"
+  ;;
+c)
   step nerf_fern_dist 250 python3 benchmarks/bench_nerf_quality.py --poses fern=$D/fern --budgets 30,60,120 \
     --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0.001 --json "$OUT/nerf_fern_dist.json"
-  step nerf_fox_base 250 python3 benchmarks/bench_nerf_quality.py --poses fox=$D/fox --budgets 30,60,120 \
-    --set steps=25000 --set nerf.lr_schedule=exp --json "$OUT/nerf_fox_base.json"
+  step nerf_fern_base 250 python3 benchmarks/bench_nerf_quality.py --poses fern=$D/fern --budgets 30,60,120 \
+    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0 --json "$OUT/nerf_fern_base.json"
   ;;
-*) echo "gpu_session: part must be a or b" >&2; exit 2 ;;
+*) echo "gpu_session: part must be a, b or c" >&2; exit 2 ;;
 esac
 echo "== done"

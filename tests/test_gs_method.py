@@ -227,3 +227,26 @@ def test_cameras_at_one_point_are_refused(poses, one_thread):
     scene.train.c2w[:, :3, 3] = 0.25  # every camera at the same spot
     with pytest.raises(ValueError, match="degenerate scene: all 8 cameras sit at one point"):
         train(gs_params({"steps": 2}), scene, torch.device("cpu"), 0, progress=False)
+
+
+def test_init_extent_draws_the_random_start_in_a_cube_around_the_box(poses):
+    """gs.init_extent > 0: the Gaussians of a scene without sparse points start uniform in a cube of
+    half-side init_extent x the scene extent around the box's centre (gsplat's simple_trainer
+    start), and 0 keeps them in the box; a negative value is refused by name."""
+    from stages.common.params import ParamsError
+    from stages.reconstruct.gs.method import GaussianMethod
+    from stages.reconstruct.gs.model import scene_extent
+
+    scene = load_scene(poses)
+    scene.points, scene.point_rgb = None, None
+    cpu = torch.device("cpu")
+    inside = GaussianMethod(gs_params(), scene.aabb, cpu, scene=scene).gaussians["means"].detach()
+    assert bool(((inside >= scene.aabb[0]) & (inside <= scene.aabb[1])).all())
+    p = gs_params({"gs": {"init_extent": 3.0}})
+    means = GaussianMethod(p, scene.aabb, cpu, scene=scene).gaussians["means"].detach()
+    half = 3.0 * scene_extent(scene.train.c2w)
+    offset = (means - scene.aabb.mean(0)).abs()
+    assert float(offset.max()) <= half and float(offset.max()) > 0.9 * half  # fills the cube, no further
+    assert half > float((scene.aabb[1] - scene.aabb[0]).max())  # a cube larger than the box here
+    with pytest.raises(ParamsError, match="init_extent"):
+        gs_params({"gs": {"init_extent": -1.0}})

@@ -1,6 +1,8 @@
 """Typed params of the reconstruct stage (section ``reconstruct`` of params.yaml)."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -185,6 +187,9 @@ class GaussianParams:
     init_opacity: float = 0.1
     init_scale: float = 1.0  # x the mean distance to the 3 nearest points
     init_random: int = 100_000  # Gaussians drawn in the scene box when the poses have no sparse points
+    # where those are drawn: 0, the poses' scene box; > 0, a cube of half-side init_extent x the scene
+    # extent around the box's centre (gsplat's simple_trainer draws in 3.0 x its scene scale)
+    init_extent: float = 0.0
     batch_views: int = 1  # views rendered per step per process
     means_lr: float = 1.6e-4  # x the scene extent, decayed exponentially to means_lr_final
     means_lr_final: float = 1.6e-6
@@ -229,6 +234,8 @@ class GaussianParams:
         check(0 < self.init_opacity < 1, "init_opacity", "must be in (0, 1)", self.init_opacity)
         check(self.init_scale > 0, "init_scale", "must be > 0", self.init_scale)
         check(self.init_random >= 1, "init_random", "must be >= 1", self.init_random)
+        check(math.isfinite(self.init_extent) and self.init_extent >= 0, "init_extent",
+              "must be a finite number >= 0 (0: the scene box)", self.init_extent)
         check(self.batch_views >= 1, "batch_views", "must be >= 1", self.batch_views)
         for key in ("means_lr", "sh0_lr", "shN_lr", "opacities_lr", "scales_lr", "quats_lr"):
             check(getattr(self, key) > 0, key, "must be > 0", getattr(self, key))

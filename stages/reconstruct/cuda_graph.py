@@ -51,8 +51,8 @@ class GraphStep:
 
     def __init__(self, method, required: bool = False):
         # held weakly: the method owns its graph step, and a strong reference back would make a
-        # cycle that keeps the graphs' memory pools (about a GB on lego) allocated after the method
-        # is dropped, until the cycle collector happens to run
+        # cycle that keeps the graph and its memory pool allocated after the method is dropped,
+        # until the cycle collector happens to run
         self.method = weakref.proxy(method)
         self.device = method.device
         self.required = required

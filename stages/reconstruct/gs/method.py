@@ -95,12 +95,17 @@ class GaussianMethod:
             rgb = None if scene.point_rgb is None else scene.point_rgb.to(device)
             g = torch.Generator().manual_seed(torch.initial_seed())  # the same Gaussians on every rank
             mcmc = cfg.strategy == "mcmc"  # its own starting opacity and scale, as gsplat's mcmc preset
-            self.gaussians = init_gaussians(pts, rgb, self.aabb, sh_degree=cfg.sh_degree,
+            box, where = self.aabb, "the box"
+            if cfg.init_extent > 0:  # gsplat simple_trainer's init_extent, around the box's centre
+                half = cfg.init_extent * scene_extent(scene.train.c2w)
+                centre = self.aabb.mean(0)
+                box, where = torch.stack([centre - half, centre + half]), f"a cube of half-side {half:.3g}"
+            self.gaussians = init_gaussians(pts, rgb, box, sh_degree=cfg.sh_degree,
                                             init_opacity=cfg.mcmc.init_opacity if mcmc else cfg.init_opacity,
                                             init_scale=cfg.mcmc.init_scale if mcmc else cfg.init_scale,
                                             n_random=cfg.init_random, generator=g, device=device)
             self.extent = scene_extent(scene.train.c2w)
-            source = "sparse points" if pts is not None and len(pts) else f"{cfg.init_random} random in the box"
+            source = "sparse points" if pts is not None and len(pts) else f"{cfg.init_random} random in {where}"
             log.info("3DGS: %d Gaussians from %s, scene extent %.3f", self.n, source, self.extent)
         else:  # a state dict follows (load_state_dict)
             self.gaussians = init_gaussians(None, None, self.aabb, sh_degree=cfg.sh_degree, n_random=4,
