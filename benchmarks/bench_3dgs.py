@@ -130,7 +130,8 @@ def live_memory_by_site(device, top: int = 12) -> list[list]:
             if b.get("state") != "active_allocated":
                 continue
             ours = [f for f in b.get("frames") or [] if str(REPO) in f.get("filename", "")][:2]
-            site = " < ".join(f"{Path(f['filename']).relative_to(REPO)}:{f['line']}" for f in ours) or "outside the repo"
+            site = (" < ".join(f"{Path(f['filename']).relative_to(REPO)}:{f['line']}" for f in ours)
+                    or "outside the repo")
             entry = sites.setdefault(("graph pool: " if private else "") + site, [0, 0])
             entry[0] += b["size"]
             entry[1] += 1

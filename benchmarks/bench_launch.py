@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     ptr = _driver.ptr
     kernels = {
         "projection_fwd (20 args)": (_gs_cuda.program("project"), "projection_fwd",
-                                     [(p, ptr)] * 6 + [(0, i32), (0, i32), (16, i32), (16, i32), (0.3, f32),
-                                                       (0.01, f32), (1e10, f32), (0.0, f32), (0, i32)] + [(p, ptr)] * 5),
+                                     [(p, ptr)] * 6 + [(0, i32), (0, i32), (16, i32), (16, i32), (0.3, f32)]
+                                     + [(0.01, f32), (1e10, f32), (0.0, f32), (0, i32)] + [(p, ptr)] * 5),
         "tile_offsets (6 args)": (_gs_cuda.program("tiles"), "tile_offsets",
                                   [(0, i64), (p, ptr), (13, i32), (8160, i32), (8160, i64), (p, ptr)]),
     }

@@ -249,7 +249,8 @@ def stage_times(params, view, Ks, sh_degree, repeats):
     _, t_raster = ms(lambda: _gs_cuda.rasterize_to_pixels(proj.means2d, proj.conics, rgb.contiguous(), op, WIDTH,
                                                          HEIGHT, 16, bins[3], bins[2], None, False))
     return {"projection_ms": t_proj, "sh_ms": t_sh, "binning_torch_sort_ms": t_bin["torch"],
-            "binning_torch16_sort_ms": t_bin["torch16"], "binning_radix_sort_ms": t_bin["radix"], "rasterize_fwd_ms": t_raster, "intersections": int(bins[2].numel())}
+            "binning_torch16_sort_ms": t_bin["torch16"], "binning_radix_sort_ms": t_bin["radix"],
+            "rasterize_fwd_ms": t_raster, "intersections": int(bins[2].numel())}
 
 
 def first_use_compile(device) -> dict:
