@@ -56,6 +56,7 @@ GPU_NERF = {
     "levels": 16, "features_per_level": 2, "log2_hashmap_size": 19, "max_resolution": 2048,
     "samples_per_ray": 1024, "occ_resolution": 128, "occ_warmup_steps": 256, "lr": 1e-2, "lr_schedule": "ngp",
     "ema_decay": 0.95, "table_optimizer": "sparse", "target_samples": 1 << 18, "mlp_precision": "tf32",
+    "distortion_loss": 0.0,  # instant-ngp has none; params.yaml's CPU profile does (--set nerf.distortion_loss=...)
 }
 GPU_RECONSTRUCT = {"batch_rays": 8192, "steps": 1_000_000}
 # real captures (no alpha, no known background): the world past the box contracted into a shell around it;
