@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a | b | c; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a | b | c | d; default a; each about 10 min)
 # Every step runs only when the call's deadline (LIMIT seconds from the start, default 585) leaves
 # it the seconds it asks for; each writes <step>.log and its JSON, and steps.log says what ran,
 # what was skipped and each exit code. They are written under /tmp/gpu_session/<part> and packed
@@ -64,6 +64,11 @@ c)
   step nerf_fern_base 250 python3 benchmarks/bench_nerf_quality.py --poses fern=$D/fern --budgets 30,60,120 \
     --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0 --json "$OUT/nerf_fern_base.json"
   ;;
-*) echo "gpu_session: part must be a, b or c" >&2; exit 2 ;;
+d)
+  # issue 16: the 7k rows of fern and fox again on the poses outs of 2026-12-02 (the table's are on lost ones)
+  step gs7k_fern_fox 330 python3 benchmarks/bench_3dgs.py --poses fern=$D/fern --poses fox=$D/fox --steps 7000 \
+    --gsplat-reset-fix --json "$OUT/gs7k_fern_fox.json"
+  ;;
+*) echo "gpu_session: part must be a, b, c or d" >&2; exit 2 ;;
 esac
 echo "== done"
