@@ -28,11 +28,11 @@ in both loops keeps the comparison about the rasterizer, the densification and t
   chained comparison ending in ``0 > 0``; fixed upstream after 1.5.3, PR #776): a subclass does
   the reset at the steps the fixed line would (row ``gsplat+reset``). The library as installed
   stays the ``gsplat`` row;
-* with ``--gsplat-own-init``, gsplat's rows start where simple_trainer's ``init_type="random"``
+* with ``--set init_extent=3.0``, both sides start about where simple_trainer's ``init_type="random"``
   starts on a scene without sparse points (100k Gaussians in a cube of half-side 3 x the scene
-  scale around the cameras' centre) instead of from ours in the scene box: the issue quotes gsplat
-  at 33.09 dB on lego at 7k, far above what it reaches here from our start (24.37 dB), and this
-  tells whether the start is the difference. Rows ``gsplat (own init)``, ``gsplat+reset (own init)``.
+  scale; centred on the scene box here, on the cameras' centre there) instead of in the scene box:
+  the issue quotes gsplat at 33.09 dB on lego at 7k, far above what it reaches here from the box
+  (24.37 dB), and this tells whether the start is the difference.
 
 Both are evaluated by the same code: every test view rendered at its own camera onto the
 evaluation background (white for RGBA views, as the evaluate stage composites them),
@@ -56,7 +56,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 from stages.common import metrics as M  # noqa: E402
 from stages.common.params import from_dict  # noqa: E402
@@ -116,7 +117,6 @@ def settle(device) -> int:
 
 
 MEMORY_REPORT = False  # --memory-report: allocation sites recorded (slower: not for timing)
-REPO = Path(__file__).resolve().parents[1]
 
 
 def live_memory_by_site(device, top: int = 12) -> list[list]:
@@ -186,15 +186,14 @@ def _reset_fixed_strategy():
     return ResetFixed(verbose=False)
 
 
-def run_gsplat(scene, steps: int, device, over: dict | None = None, reset_fix: bool = False,
-               own_init: bool = False) -> dict:
+def run_gsplat(scene, steps: int, device, over: dict | None = None, reset_fix: bool = False) -> dict:
     """gsplat's library in a loop after its examples/simple_trainer.py, with our shared pieces."""
     import gsplat
     from gsplat.strategy import DefaultStrategy, MCMCStrategy
 
     from kernels.ssim import ssim as fused_ssim
     from stages.reconstruct.gs.method import ViewSampler, _Views
-    from stages.reconstruct.gs.model import init_gaussians, scene_extent
+    from stages.reconstruct.gs.model import init_box, init_gaussians, scene_extent
     from stages.reconstruct.train import seeded_generator
 
     cfg = our_params(steps, over).gs  # the --set values too: the same initialisation and rates
@@ -204,13 +203,7 @@ def run_gsplat(scene, steps: int, device, over: dict | None = None, reset_fix: b
     rgb = None if scene.point_rgb is None else scene.point_rgb.to(device)
     mcmc = cfg.strategy == "mcmc"  # gsplat's MCMCStrategy beside ours, with the mcmc preset's start
     extent = scene_extent(scene.train.c2w)
-    box = scene.aabb.to(device)
-    if own_init and pts is None:
-        # simple_trainer's init_type="random": init_num_pts uniform in a cube of half-side
-        # init_extent (3.0) x scene_scale around the cameras' centre (its normalised world origin),
-        # instead of the poses out's scene box; the sizes, colours and opacity rules are the same
-        centre = scene.train.c2w[:, :3, 3].float().mean(0).to(device)
-        box = torch.stack([centre - 3.0 * extent, centre + 3.0 * extent])
+    box = init_box(scene.aabb.to(device), scene.train.c2w, cfg.init_extent)  # ours: the same start
     init = init_gaussians(pts, rgb, box, sh_degree=cfg.sh_degree,
                           init_opacity=cfg.mcmc.init_opacity if mcmc else cfg.init_opacity,
                           init_scale=cfg.mcmc.init_scale if mcmc else cfg.init_scale, n_random=cfg.init_random,
@@ -286,8 +279,7 @@ def run_gsplat(scene, steps: int, device, over: dict | None = None, reset_fix: b
             backgrounds=eval_bg[None], near_plane=cfg.near, far_plane=cfg.far)
         return out[0]
 
-    out = {"impl": (("gsplat+reset" if reset_fix else "gsplat") + ("-mcmc" if mcmc else "")
-                    + (" (own init)" if own_init and pts is None else "")), "train_s": train_s,
+    out = {"impl": ("gsplat+reset" if reset_fix else "gsplat") + ("-mcmc" if mcmc else ""), "train_s": train_s,
            "gaussians": int(splats["means"].shape[0]), "peak_gb": peak / 1e9}
     out.update(evaluate(render, scene, device))
     return out
@@ -319,9 +311,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="reconstruct.gs override (ours)")
     ap.add_argument("--gsplat-reset-fix", action="store_true",
                     help="also train gsplat with its opacity reset working (1.5.3 never resets; row gsplat+reset)")
-    ap.add_argument("--gsplat-own-init", action="store_true",
-                    help="gsplat's rows start from simple_trainer's random init (a cube of 3x the scene scale "
-                         "around the cameras' centre) where the scene has no sparse points, not from ours")
     ap.add_argument("--eager", action="store_true",
                     help="also train ours without the CUDA-graph views (gs.cuda_graph: off; row rayforge-eager)")
     ap.add_argument("--json", help="write the rows here")
@@ -401,8 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                     row = run_ours(scene, steps, device, {**over, "cuda_graph": "off"})
                     row["impl"] += "-eager"
                 else:
-                    row = run_gsplat(scene, steps, device, over, reset_fix=impl == "gsplat+reset",
-                                     own_init=args.gsplat_own_init)
+                    row = run_gsplat(scene, steps, device, over, reset_fix=impl == "gsplat+reset")
                 # what the row left allocated once its objects are gone (should be ~0: the scene's tensors
                 # are on the CPU); a leak would otherwise show up as the next row's peak
                 row.update(scene=name, steps=steps, left_gb=settle(device) / 1e9)

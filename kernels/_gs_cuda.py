@@ -229,7 +229,7 @@ def bin_tiles(means2d, radii, depths, tile_size, tile_width, tile_height, check_
     if M and CN:
         # a fixed budget pads the tail with the largest key, which sorts after every real one
         keys = (torch.empty(M, dtype=torch.int32, device=dev) if needed is None
-                else torch.full((M,), 2**31 - 1, dtype=torch.int32, device=dev))
+                else torch.full((M,), _PAD_KEY, dtype=torch.int32, device=dev))
         values = torch.empty(M, dtype=torch.int32, device=dev)
         prog.launch("tile_emit", _blocks(CN), (BLOCK,),
                     [(CN, i64), (N, i32), *box, (tile_bits, i32), _p(order), _p(ends), _p(counts), (M, i64),

@@ -25,7 +25,7 @@ from ..methods import resolve_use_kernels, step_optimizers
 from .densify import DensifyStrategy
 from .mcmc import MCMCStrategy, regulariser
 from .model import PARAM_NAMES as NAMES
-from .model import init_gaussians, make_optimizers, scene_extent, sh_degree_at
+from .model import init_box, init_gaussians, make_optimizers, scene_extent, sh_degree_at
 
 log = logging.getLogger("stages.reconstruct.gs")
 
@@ -95,16 +95,13 @@ class GaussianMethod:
             rgb = None if scene.point_rgb is None else scene.point_rgb.to(device)
             g = torch.Generator().manual_seed(torch.initial_seed())  # the same Gaussians on every rank
             mcmc = cfg.strategy == "mcmc"  # its own starting opacity and scale, as gsplat's mcmc preset
-            box, where = self.aabb, "the box"
-            if cfg.init_extent > 0:  # gsplat simple_trainer's init_extent, around the box's centre
-                half = cfg.init_extent * scene_extent(scene.train.c2w)
-                centre = self.aabb.mean(0)
-                box, where = torch.stack([centre - half, centre + half]), f"a cube of half-side {half:.3g}"
+            box = init_box(self.aabb, scene.train.c2w, cfg.init_extent)
             self.gaussians = init_gaussians(pts, rgb, box, sh_degree=cfg.sh_degree,
                                             init_opacity=cfg.mcmc.init_opacity if mcmc else cfg.init_opacity,
                                             init_scale=cfg.mcmc.init_scale if mcmc else cfg.init_scale,
                                             n_random=cfg.init_random, generator=g, device=device)
             self.extent = scene_extent(scene.train.c2w)
+            where = "the box" if cfg.init_extent <= 0 else f"a cube of {cfg.init_extent:g} scene extents"
             source = "sparse points" if pts is not None and len(pts) else f"{cfg.init_random} random in {where}"
             log.info("3DGS: %d Gaussians from %s, scene extent %.3f", self.n, source, self.extent)
         else:  # a state dict follows (load_state_dict)

@@ -317,6 +317,17 @@ def init_gaussians(points: Tensor | None, point_rgb: Tensor | None, aabb: Tensor
     return {name: nn.Parameter(values[name].contiguous()) for name in PARAM_NAMES}
 
 
+def init_box(aabb: Tensor, c2w: Tensor, init_extent: float) -> Tensor:
+    """Where a random start is drawn (``reconstruct.gs.init_extent``): the scene box ``aabb`` [2, 3]
+    for 0, else a cube of half-side ``init_extent`` x :func:`scene_extent` of the cameras ``c2w``
+    around the box's centre (gsplat's simple_trainer draws in 3.0 x its scene scale)."""
+    if init_extent <= 0:
+        return aabb
+    half = init_extent * scene_extent(c2w)
+    centre = aabb.mean(0)
+    return torch.stack([centre - half, centre + half])
+
+
 def scene_extent(c2w: Tensor) -> float:
     """The scene's size for learning rates and densification thresholds, as the 3DGS reference has it.
 
