@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import platform
 import sys
@@ -111,6 +112,10 @@ def settle(device) -> int:
     peak then counts only what is alive for it."""
     gc.collect()
     torch.cuda.synchronize(device)
+    # cuBLAS keeps a workspace per stream it ran on for the process's life: an earlier row's would
+    # otherwise count in this one's peak
+    if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+        torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     return torch.cuda.memory_allocated(device)
@@ -379,8 +384,11 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.poses:
         name, _, path = spec.partition("=")
         scene = load_scene(path)
+        # which SfM result the rows stand on: poses outs made on other days or machines can differ
+        poses_md5 = hashlib.md5((Path(path) / "transforms.json").read_bytes()).hexdigest()
         print(f"== {name}: {len(scene.train)} train / {len(scene.test)} test views, "
-              f"{0 if scene.points is None else len(scene.points)} sparse points", flush=True)
+              f"{0 if scene.points is None else len(scene.points)} sparse points, transforms.json md5 "
+              f"{poses_md5[:12]}", flush=True)
         for steps in args.steps:
             for impl in sides:
                 ply = None if args.save_ply is None else args.save_ply / f"{name}_{steps}.ply"
@@ -393,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
                     row = run_gsplat(scene, steps, device, over, reset_fix=impl == "gsplat+reset")
                 # what the row left allocated once its objects are gone (should be ~0: the scene's tensors
                 # are on the CPU); a leak would otherwise show up as the next row's peak
-                row.update(scene=name, steps=steps, left_gb=settle(device) / 1e9)
+                row.update(scene=name, steps=steps, poses_md5=poses_md5, left_gb=settle(device) / 1e9)
                 if MEMORY_REPORT and row["left_gb"] > 0.001:
                     row["memory_left"] = live_memory_by_site(device)
                 for key in ("memory_live_after_training", "memory_left"):

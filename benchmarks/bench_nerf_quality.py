@@ -25,6 +25,7 @@ PASS / FAIL / n/a at the end.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import json
 import math
@@ -245,7 +246,8 @@ def run_scene(name: str, poses: Path, method: str, args, device: torch.device) -
               f"(worst view {min(per_view):.2f} dB)", flush=True)
     timing = render_time(fresh, scene, device, args.render_side) if rows else None
     summary = run["method"].summary() if run["method"] is not None else {}
-    return {"scene": name, "method": method, "poses": str(poses), "rows": rows, "stopped": run["stopped"],
+    poses_md5 = hashlib.md5((Path(poses) / "transforms.json").read_bytes()).hexdigest()  # which SfM result
+    return {"scene": name, "method": method, "poses": str(poses), "poses_md5": poses_md5, "rows": rows, "stopped": run["stopped"],
             "peak_memory_bytes": run["peak_memory_bytes"], "render_800": timing,
             "params": {k: v for k, v in vars(params).items() if k in ("batch_rays", "steps")},
             "nerf": vars(params.nerf) if method == "nerf" else None, "summary": summary}

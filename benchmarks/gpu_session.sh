@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a | b | c | d; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a | b | c | d | e; default a; each about 10 min)
 # Every step runs only when the call's deadline (LIMIT seconds from the start, default 585) leaves
 # it the seconds it asks for; each writes <step>.log and its JSON, and steps.log says what ran,
 # what was skipped and each exit code. They are written under /tmp/gpu_session/<part> and packed
@@ -33,21 +33,27 @@ step() {  # step <name> <seconds it needs> <command...>
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 case $PART in
 a)
-  # issue 15: where a launch's host time goes; the int16 key sort on the GPU, then the rasterizer beside gsplat with it
+  # the GPU tests of the code changed since they last ran (the int16 sort, _grad shapes, the graph's weak reference)
+  step gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gs_kernels.py tests/test_gs_graph.py \
+    tests/test_cuda_graph.py
+  # issue 15: where a launch's host time goes; the rasterizer beside gsplat with the int16 key sort among the sorts
   step launch 40 python3 benchmarks/bench_launch.py --json "$OUT/launch.json"
-  step sort_tests 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gs_kernels.py -k "torch16 or int16"
-  # issue 16: where our peak memory goes (ours alone, then gsplat+reset alone after a settle), and a trained PLY
-  step gs_memory 150 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 7000 --gsplat-reset-fix \
-    --only rayforge --memory-report --save-ply "$OUT/ply" --json "$OUT/gs_memory.json"
+  step raster 150 python3 benchmarks/bench_rasterizer.py --json "$OUT/raster.json"
+  # issue 16: do gsplat and ours reach the issue's 33.09 dB on lego at 7k from simple_trainer's kind of start
+  # (gs.init_extent 3.0, both sides)? Its PLY is the trained scene of part e's rasterizer row.
+  step init_extent3 240 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 7000 --gsplat-reset-fix \
+    --set init_extent=3.0 --save-ply "$OUT/ply" --json "$OUT/init_extent3.json"
+  ;;
+e)
+  # issue 15: the rasterizer on trained-scene Gaussians (a lego PLY of ours), then issue 16: where our peak memory goes
+  step gs_ply 60 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 7000 --only rayforge \
+    --set init_extent=0.3 --save-ply "$OUT/ply" --json "$OUT/init_extent03.json"
+  step raster_ply 120 python3 benchmarks/bench_rasterizer.py --sizes 1000000 --ply "$OUT/ply/lego_7000.ply" \
+    --json "$OUT/raster_ply.json"
+  step gs_memory 150 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 7000 --only rayforge \
+    --memory-report --json "$OUT/gs_memory.json"
   step gs_memory_peer 150 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 7000 --only gsplat+reset \
     --json "$OUT/gs_memory_peer.json"
-  # issue 16: do gsplat and ours reach the issue's 33.09 dB on lego at 7k from simple_trainer's kind of start
-  # (gs.init_extent 3.0, both sides), and ours from a cube near the reference's [-1.3, 1.3]^3 (0.3)?
-  step init_extent3 150 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 7000 --gsplat-reset-fix \
-    --set init_extent=3.0 --json "$OUT/init_extent3.json"
-  step init_extent03 60 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 7000 --only rayforge \
-    --set init_extent=0.3 --json "$OUT/init_extent03.json"
-  step raster 200 python3 benchmarks/bench_rasterizer.py --ply "$OUT/ply/lego_7000.ply" --json "$OUT/raster.json"
   ;;
 b)
   # issue 17: the distortion loss on the GPU profile, beside the same run without it (the fox poses of
@@ -68,6 +74,6 @@ d)
   step gs7k_fern_fox 330 python3 benchmarks/bench_3dgs.py --poses fern=$D/fern --poses fox=$D/fox --steps 7000 \
     --gsplat-reset-fix --json "$OUT/gs7k_fern_fox.json"
   ;;
-*) echo "gpu_session: part must be a, b, c or d" >&2; exit 2 ;;
+*) echo "gpu_session: part must be a, b, c, d or e" >&2; exit 2 ;;
 esac
 echo "== done"

@@ -230,9 +230,9 @@ def test_cameras_at_one_point_are_refused(poses, one_thread):
 
 
 def test_init_extent_draws_the_random_start_in_a_cube_around_the_box(poses):
-    """gs.init_extent > 0: the Gaussians of a scene without sparse points start uniform in a cube of
-    half-side init_extent x the scene extent around the box's centre (gsplat's simple_trainer
-    start), and 0 keeps them in the box; a negative value is refused by name."""
+    """gs.init_extent > 0 (0.3 by default): the Gaussians of a scene without sparse points start
+    uniform in a cube of half-side init_extent x the scene extent around the box's centre (3.0 is
+    gsplat's simple_trainer start), and 0 keeps them in the box; a negative value is refused by name."""
     from stages.common.params import ParamsError
     from stages.reconstruct.gs.method import GaussianMethod
     from stages.reconstruct.gs.model import scene_extent
@@ -240,7 +240,8 @@ def test_init_extent_draws_the_random_start_in_a_cube_around_the_box(poses):
     scene = load_scene(poses)
     scene.points, scene.point_rgb = None, None
     cpu = torch.device("cpu")
-    inside = GaussianMethod(gs_params(), scene.aabb, cpu, scene=scene).gaussians["means"].detach()
+    p = gs_params({"gs": {"init_extent": 0.0}})
+    inside = GaussianMethod(p, scene.aabb, cpu, scene=scene).gaussians["means"].detach()
     assert bool(((inside >= scene.aabb[0]) & (inside <= scene.aabb[1])).all())
     p = gs_params({"gs": {"init_extent": 3.0}})
     means = GaussianMethod(p, scene.aabb, cpu, scene=scene).gaussians["means"].detach()
@@ -248,5 +249,9 @@ def test_init_extent_draws_the_random_start_in_a_cube_around_the_box(poses):
     offset = (means - scene.aabb.mean(0)).abs()
     assert float(offset.max()) <= half and float(offset.max()) > 0.9 * half  # fills the cube, no further
     assert half > float((scene.aabb[1] - scene.aabb[0]).max())  # a cube larger than the box here
+    default = GaussianMethod(gs_params(), scene.aabb, cpu, scene=scene).gaussians["means"].detach()
+    assert gs_params().gs.init_extent == 0.3
+    offset = (default - scene.aabb.mean(0)).abs()
+    assert 0.9 * 0.3 * scene_extent(scene.train.c2w) < float(offset.max()) <= 0.3 * scene_extent(scene.train.c2w)
     with pytest.raises(ParamsError, match="init_extent"):
         gs_params({"gs": {"init_extent": -1.0}})
