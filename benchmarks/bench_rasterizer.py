@@ -7,6 +7,7 @@ Not a test: prints a table (ours | gsplat | ratio) and writes JSON. Needs a CUDA
     python benchmarks/bench_rasterizer.py --json benchmarks/results/rasterizer_H200.json
     python benchmarks/bench_rasterizer.py --ply point_cloud.ply --json out.json    # a trained scene too
     python benchmarks/bench_rasterizer.py --sizes 100000 --repeats 5               # a quick look
+    python benchmarks/bench_rasterizer.py --sizes 3000000 --profile 10             # GPU time per kernel
 
 Scenes: N random Gaussians (seeded) in the view frustum of a 1920 x 1080 pinhole camera (fx = fy =
 1200), depths 2..12, anisotropic log-normal scales (median 0.01, like a trained scene's), random
@@ -57,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", type=int, default=0, metavar="ITERS",
+                   help="also profile ITERS forward+backward calls of ours and of gsplat (torch.profiler, "
+                        "CUPTI): GPU time per kernel, to show where a gap comes from")
     p.add_argument("--json", type=Path, help="write the results here (atomically)")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
@@ -275,6 +279,33 @@ def first_use_compile(device) -> dict:
 # ---------------------------------------------------------------------------- main
 
 
+def kernel_profile(fn_forward, params, cotangent, iters: int, top: int = 25) -> dict:
+    """GPU time per kernel over ``iters`` forward+backward calls (torch.profiler with CUPTI sees our
+    cuLaunchKernel launches too): ``{"total_ms", "kernels": [[name, ms per call, launches per call]]}``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):  # warm
+        (fn_forward() * cotangent).sum().backward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            for p in params:
+                p.grad = None
+            (fn_forward() * cotangent).sum().backward()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0.0)
+        if us > 0:
+            rows.append([e.key[:90], us / 1e3 / iters, e.count / iters])
+    rows.sort(key=lambda r: -r[1])
+    for p in params:
+        p.grad = None
+    return {"total_ms": sum(r[1] for r in rows), "kernels": rows[:top]}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -356,6 +387,13 @@ def main(argv=None) -> int:
         row["gsplat"] = timed(theirs, params, cot, args.warmup, args.repeats)
         row["ours_stages"] = stage_times(params, view, Ks, args.sh_degree, args.repeats)
         _gs_cuda.SORT = default_sort
+        if args.profile:
+            row["profile"] = {"ours": kernel_profile(ours_unchecked, params, cot, args.profile),
+                              "gsplat": kernel_profile(theirs, params, cot, args.profile)}
+            for impl, prof in row["profile"].items():
+                print(f"  {impl}: GPU kernels {prof['total_ms']:.3f} ms per forward+backward")
+                for name, ms, calls in prof["kernels"][:12]:
+                    print(f"    {ms:7.3f} ms  x{calls:4.1f}  {name}")
         for key in ("torch_sort", "torch16_sort", "radix_sort", "torch_sort_unvalidated", "budget", "cuda_graph"):
             ours_t = row[f"ours_{key}"]
             row[f"ratio_{key}"] = {k: ours_t[k] / row["gsplat"][k] for k in ours_t
