@@ -344,16 +344,21 @@ def test_blending_matches_the_twin(cuda, tile_size, D, background, alpha_max):
 # ---------------------------------------------------------------------------- end to end
 
 
+def _scene_inputs(n, width, height, n_cams, seed):
+    means, quats, scales, opac, sh = gaussians(n, seed=seed, log_scale=(-3.5 - math.log(n / 2000) / 3, 0.6))
+    views, Ks = camera(width, height, 0.9 * width, n=n_cams, seed=seed, spread=0.25)
+    bg = torch.rand(n_cams, 3, generator=torch.Generator().manual_seed(seed))
+    return (means, quats, scales, opac, sh), views, Ks, bg
+
+
 def _render_both(n, width, height, n_cams, seed, cuda, **kw):
     """Render on the CPU (twins) and on the GPU (kernels) and backpropagate the same loss: random
     weights on the colours and, for an expected-depth channel (D / alpha, ill-conditioned where
     alpha is small), on the pixels whose alpha > 0.5."""
-    means, quats, scales, opac, sh = gaussians(n, seed=seed, log_scale=(-3.5 - math.log(n / 2000) / 3, 0.6))
-    views, Ks = camera(width, height, 0.9 * width, n=n_cams, seed=seed, spread=0.25)
-    bg = torch.rand(n_cams, 3, generator=torch.Generator().manual_seed(seed))
+    leaves, views, Ks, bg = _scene_inputs(n, width, height, n_cams, seed)
     out, weights = {}, None
     for dev in ("cpu", cuda):
-        params = [t.detach().clone().to(dev).requires_grad_() for t in (means, quats, scales, opac, sh)]  # leaves on both
+        params = [t.detach().clone().to(dev).requires_grad_() for t in leaves]  # leaves on both
         img, alpha, meta = kernels.rasterization(*params, views.to(dev), Ks.to(dev), width, height, sh_degree=3,
                                                  backgrounds=bg.to(dev), **kw)
         if weights is None:
@@ -364,7 +369,48 @@ def _render_both(n, width, height, n_cams, seed, cuda, **kw):
     return out["cpu"], out[str(cuda)]
 
 
-def _compare_renders(cpu, gpu, what):
+GRAD_RTOL, GRAD_ATOL = 2e-3, 1e-4  # float32 both: see the projection and blending tests
+
+
+def _row_mismatch(got, want, rtol=GRAD_RTOL, atol_scale=GRAD_ATOL):
+    """[N] bool: the Gaussians (first axis) with a coordinate outside _close's tolerance."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    bad = (got - want).abs() > atol_scale * float(want.abs().max()) + rtol * want.abs()
+    return bad.reshape(bad.shape[0], -1).any(1)
+
+
+def _threshold_rows(n, width, height, n_cams, seed, cpu_grads, perturbations=((2**-22, 2), (2**-20, 2))):
+    """[N] bool: the Gaussians whose twin gradients jump when the inputs move by a few float32 ulps.
+
+    A (pixel, Gaussian) pair within rounding of the 1/255 alpha cut (or of the 1e-4 transmittance
+    stop) is kept by one evaluation and skipped by another, and the gradient of that Gaussian jumps
+    by its whole share of the pixel: the gradient is discontinuous there, and two correct float32
+    evaluations (the kernels with __expf, the twin with exp) need not agree. These rows are found
+    from the twin alone, on the CPU, by rendering again with every input scaled by
+    (1 + eps * N(0, 1)) for eps of 2^-22 and 2^-20 (about 2 and 8 ulps), two draws each: a row whose
+    gradient then leaves the tolerance sits at such a cut. At 100k Gaussians they are about 0.1 %
+    of the rows (134 of 100,000 with these four draws), and the worst of the kernels' 5 coordinates
+    outside the tolerance before this rule (Gaussian 2824's d/dmeans, 0.38 off; H200, 2026-12-02) is
+    among them, at 2^-22 already. The GPU's other four have not been looked at one by one."""
+    leaves, views, Ks, bg = _scene_inputs(n, width, height, n_cams, seed)
+    weights = None
+    rows = torch.zeros(n, dtype=torch.bool)
+    for k, (eps, draws) in enumerate(perturbations):
+        for d in range(draws):
+            g = torch.Generator().manual_seed(1000 + 10 * k + d)
+            params = [(t * (1 + eps * torch.randn(t.shape, generator=g))).requires_grad_() for t in leaves]
+            img, alpha, _ = kernels.rasterization(*params, views, Ks, width, height, sh_degree=3, backgrounds=bg)
+            if weights is None:
+                weights = torch.randn(img.shape, generator=torch.Generator().manual_seed(seed + 1))
+            (img * weights).sum().backward()
+            for p, want in zip(params, cpu_grads):
+                rows |= _row_mismatch(p.grad, want)
+    return rows
+
+
+def _compare_renders(cpu, gpu, what, skip_rows=None):
+    """Images within _close_image's rule; gradients within GRAD_RTOL / GRAD_ATOL, but for the
+    Gaussians of ``skip_rows`` (an [N] bool mask from :func:`_threshold_rows`), which need only be finite."""
     (img, alpha, meta, grads), (gimg, galpha, gmeta, ggrads) = cpu, gpu
     # the GPU bins with the exact tile test, so its lists are shorter; the image is the same
     assert gmeta["n_intersections"] <= meta["n_intersections"]
@@ -375,9 +421,28 @@ def _compare_renders(cpu, gpu, what):
     if img.shape[-1] > 3:  # expected depth where it is well conditioned
         covered = alpha[..., 0] > 0.5
         _close(gimg[..., 3].cpu()[covered], img[..., 3][covered], 1e-4, 1e-5, f"{what}: expected depth")
-    for name, a, b in zip(("means", "quats", "scales", "opacities", "sh"), ggrads, grads):
-        _close(a, b, 2e-3, 1e-4, f"{what}: d/d{name}")  # float32 both: see the projection and blending tests
-    _close(gmeta["means2d"].grad, meta["means2d"].grad, 2e-3, 1e-4, f"{what}: means2d.grad")
+    pairs = list(zip(("means", "quats", "scales", "opacities", "sh"), ggrads, grads))
+    pairs.append(("means2d", gmeta["means2d"].grad.transpose(0, 1), meta["means2d"].grad.transpose(0, 1)))
+    for name, a, b in pairs:
+        if skip_rows is not None:
+            assert torch.isfinite(a[skip_rows.to(a.device)]).all(), f"{what}: d/d{name} not finite"
+            keep = ~skip_rows
+            a, b = a[keep.to(a.device)], b[keep]
+        _close(a, b, GRAD_RTOL, GRAD_ATOL, f"{what}: d/d{name}")
+
+
+def test_threshold_rows_are_few_and_come_from_the_twin_alone():
+    """The rows test_many_gaussians leaves out: none without a perturbation (the twin is
+    deterministic), a few hundredths of a percent at 2 ulps, at most 0.5 % with the full rule."""
+    leaves, views, Ks, bg = _scene_inputs(100_000, 320, 240, 1, 11)
+    params = [t.clone().requires_grad_() for t in leaves]
+    img, _, _ = kernels.rasterization(*params, views, Ks, 320, 240, sh_degree=3, backgrounds=bg)
+    (img * torch.randn(img.shape, generator=torch.Generator().manual_seed(12))).sum().backward()
+    grads = [p.grad for p in params]
+    assert not _threshold_rows(100_000, 320, 240, 1, 11, grads, perturbations=((0.0, 1),)).any()
+    two_ulps = int(_threshold_rows(100_000, 320, 240, 1, 11, grads, perturbations=((2**-22, 1),)).sum())
+    full = int(_threshold_rows(100_000, 320, 240, 1, 11, grads).sum())
+    assert 0 < two_ulps <= full <= 500, (two_ulps, full)
 
 
 @pytest.mark.gpu
@@ -397,7 +462,9 @@ def test_many_gaussians(cuda):
     """100k Gaussians, one 320 x 240 camera: long tile lists (many batches per block)."""
     cpu, gpu = _render_both(100_000, 320, 240, 1, 11, cuda)
     assert cpu[2]["n_intersections"] > 100_000
-    _compare_renders(cpu, gpu, "100k")
+    skip = _threshold_rows(100_000, 320, 240, 1, 11, cpu[3])
+    assert int(skip.sum()) <= 500, f"{int(skip.sum())} Gaussians at an alpha or transmittance cut (expected ~0.1 %)"
+    _compare_renders(cpu, gpu, "100k", skip_rows=skip)
 
 
 @pytest.mark.gpu
