@@ -255,3 +255,16 @@ def test_init_extent_draws_the_random_start_in_a_cube_around_the_box(poses):
     assert 0.9 * 0.3 * scene_extent(scene.train.c2w) < float(offset.max()) <= 0.3 * scene_extent(scene.train.c2w)
     with pytest.raises(ParamsError, match="init_extent"):
         gs_params({"gs": {"init_extent": -1.0}})
+
+
+def test_render_image_is_an_inference_call(poses):
+    """The viewer, evaluation and FPS figures call render_image while the parameters require grad:
+    it records no autograd graph (which would hold the rasterizer's saved tensors and time)."""
+    from stages.reconstruct.gs.method import GaussianMethod
+
+    scene = load_scene(poses)
+    m = GaussianMethod(gs_params(), scene.aabb, torch.device("cpu"), scene=scene)
+    assert m.gaussians["means"].requires_grad
+    img = m.render_image(scene.test.intr(0), scene.test.c2w[0])
+    assert img.grad_fn is None and not img.requires_grad
+    assert img.shape == (scene.test.intr(0).height, scene.test.intr(0).width, 3)
