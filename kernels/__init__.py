@@ -11,6 +11,7 @@ needed), :mod:`kernels._driver` (module load and launch on PyTorch's stream), on
 """
 
 from ._driver import CudaDriverError, KernelProgram, available, unavailable_reason
+from ._gs_reference import ALPHA_MAX  # the default alpha clamp of the 3DGS blending (0.99, the reference's)
 from ._gs_reference import intersect_tiles_reference
 from ._gs_reference import isect_offset_encode_reference
 from ._gs_reference import project_gaussians_reference
@@ -30,6 +31,7 @@ from .loader import KernelCompileError
 from .render import Samples, composite, march_rays
 
 __all__ = [
+    "ALPHA_MAX",
     "CudaDriverError",
     "HashGrid",
     "KernelCompileError",

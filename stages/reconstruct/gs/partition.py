@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 import kernels
-from kernels._gs_reference import ALPHA_MAX
+from kernels import ALPHA_MAX
 
 IMBALANCE = 0.06  # re-split when the slowest rank takes more than this much longer than the fastest
 SH_COLOUR = 3  # colour channels the method renders (RGB from SH)
