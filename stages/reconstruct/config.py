@@ -185,7 +185,7 @@ class GaussianParams:
     sh_degree_every: int = 1000  # steps between raising the SH degree by one (from 0)
     init_opacity: float = 0.1
     init_scale: float = 1.0  # x the mean distance to the 3 nearest points
-    init_random: int = 100_000  # Gaussians drawn in the scene box when the poses have no sparse points
+    init_random: int = 100_000  # Gaussians drawn at random when the poses have no sparse points
     # where those are drawn: 0, the poses' scene box; > 0, a cube of half-side init_extent x the scene
     # extent around the box's centre. 0.3 is the 3DGS reference's [-1.3, 1.3]^3 on nerf_synthetic
     # (cameras 4.03 out: 0.3 x 1.1 x 4.03 = 1.33); on lego at 7k it gave 32.7-32.8 dB against 31.8
