@@ -66,8 +66,6 @@ from stages.common.params import from_dict  # noqa: E402
 from stages.reconstruct.config import ReconstructParams  # noqa: E402
 from stages.reconstruct.data import composite, load_scene  # noqa: E402
 
-SEED = 0
-
 
 def our_params(steps: int, over: dict | None = None) -> ReconstructParams:
     d = {"method": "3dgs", "device": "cuda", "steps": steps, "eval_every": 10**9, "tensorboard": False,
@@ -144,12 +142,12 @@ def live_memory_by_site(device, top: int = 12) -> list[list]:
     return [[k, round(v[0] / 1e9, 4), v[1]] for k, v in sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]]
 
 
-def run_ours(scene, steps: int, device, over: dict | None = None, ply: Path | None = None) -> dict:
+def run_ours(scene, steps: int, device, over: dict | None = None, ply: Path | None = None, seed: int = 0) -> dict:
     from stages.reconstruct.train import train
 
     params = our_params(steps, over)
     settle(device)
-    res = train(params, scene, device, SEED, progress=False)
+    res = train(params, scene, device, seed, progress=False)
     peak = torch.cuda.max_memory_allocated(device)
     m = res.method
     live = live_memory_by_site(device) if MEMORY_REPORT else None
@@ -192,7 +190,7 @@ def _reset_fixed_strategy():
     return ResetFixed(verbose=False)
 
 
-def run_gsplat(scene, steps: int, device, over: dict | None = None, reset_fix: bool = False) -> dict:
+def run_gsplat(scene, steps: int, device, over: dict | None = None, reset_fix: bool = False, seed: int = 0) -> dict:
     """gsplat's library in a loop after its examples/simple_trainer.py, with our shared pieces."""
     import gsplat
     from gsplat.strategy import DefaultStrategy, MCMCStrategy
@@ -203,7 +201,7 @@ def run_gsplat(scene, steps: int, device, over: dict | None = None, reset_fix: b
     from stages.reconstruct.train import seeded_generator
 
     cfg = our_params(steps, over).gs  # the --set values too: the same initialisation and rates
-    torch.manual_seed(SEED * 1_000_003)  # what the pipeline's loop seeds before building the method
+    torch.manual_seed(seed * 1_000_003)  # what the pipeline's loop seeds before building the method
     g0 = torch.Generator().manual_seed(torch.initial_seed())
     pts = None if scene.points is None else scene.points.to(device)
     rgb = None if scene.point_rgb is None else scene.point_rgb.to(device)
@@ -232,7 +230,7 @@ def run_gsplat(scene, steps: int, device, over: dict | None = None, reset_fix: b
         strategy.check_sanity(splats, optimizers)
         state = strategy.initialize_state(scene_scale=extent)
 
-    shard = seeded_generator(SEED, 0, device)  # the pipeline's shard 0 stream: same view order, same backgrounds
+    shard = seeded_generator(seed, 0, device)  # the pipeline's shard 0 stream: same view order, same backgrounds
     views = _Views(scene.train.to(device), ViewSampler(len(scene.train), shard), device)  # as ours reads them
     rgba = views.channels == 4
     eval_bg = eval_background(scene).to(device)
@@ -309,7 +307,6 @@ def warm_gsplat(device) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global SEED  # --seeds: run_ours and run_gsplat read it
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--poses", action="append", required=True, metavar="NAME=DIR", help="a scene's poses out")
     ap.add_argument("--steps", type=int, nargs="+", default=[7000])
@@ -395,16 +392,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{0 if scene.points is None else len(scene.points)} sparse points, transforms.json md5 "
               f"{poses_md5[:12]}", flush=True)
         for steps, seed, impl in [(st, sd, im) for st in args.steps for sd in args.seeds for im in sides]:
-            SEED = seed
             tail = f"_s{seed}" if len(args.seeds) > 1 else ""
             ply = None if args.save_ply is None else args.save_ply / f"{name}_{steps}{tail}.ply"
             if impl == "rayforge":
-                row = run_ours(scene, steps, device, over, ply)
+                row = run_ours(scene, steps, device, over, ply, seed=seed)
             elif impl == "rayforge-eager":
-                row = run_ours(scene, steps, device, {**over, "cuda_graph": "off"})
+                row = run_ours(scene, steps, device, {**over, "cuda_graph": "off"}, seed=seed)
                 row["impl"] += "-eager"
             else:
-                row = run_gsplat(scene, steps, device, over, reset_fix=impl == "gsplat+reset")
+                row = run_gsplat(scene, steps, device, over, reset_fix=impl == "gsplat+reset", seed=seed)
             # what the row left allocated once its objects are gone (should be ~0: the scene's tensors
             # are on the CPU); a leak would otherwise show up as the next row's peak
             row.update(scene=name, steps=steps, seed=seed, poses_md5=poses_md5, left_gb=settle(device) / 1e9)

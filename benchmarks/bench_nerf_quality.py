@@ -247,7 +247,8 @@ def run_scene(name: str, poses: Path, method: str, args, device: torch.device) -
     timing = render_time(fresh, scene, device, args.render_side) if rows else None
     summary = run["method"].summary() if run["method"] is not None else {}
     poses_md5 = hashlib.md5((Path(poses) / "transforms.json").read_bytes()).hexdigest()  # which SfM result
-    return {"scene": name, "method": method, "poses": str(poses), "poses_md5": poses_md5, "rows": rows, "stopped": run["stopped"],
+    return {"scene": name, "method": method, "poses": str(poses), "poses_md5": poses_md5, "rows": rows,
+            "stopped": run["stopped"],
             "peak_memory_bytes": run["peak_memory_bytes"], "render_800": timing,
             "params": {k: v for k, v in vars(params).items() if k in ("batch_rays", "steps")},
             "nerf": vars(params.nerf) if method == "nerf" else None, "summary": summary}

@@ -295,9 +295,7 @@ def kernel_profile(fn_forward, params, cotangent, iters: int, top: int = 25) -> 
         torch.cuda.synchronize()
     rows = []
     for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", None)
-        if us is None:
-            us = getattr(e, "self_cuda_time_total", 0.0)
+        us = e.self_device_time_total
         if us > 0:
             rows.append([e.key[:90], us / 1e3 / iters, e.count / iters])
     rows.sort(key=lambda r: -r[1])

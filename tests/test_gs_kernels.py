@@ -351,22 +351,28 @@ def _scene_inputs(n, width, height, n_cams, seed):
     return (means, quats, scales, opac, sh), views, Ks, bg
 
 
+def _render_and_grads(leaves, views, Ks, bg, width, height, dev, weights=None, weight_seed=0, **kw):
+    """Render ``leaves`` (copied to ``dev`` as leaf tensors) and backpropagate sum(img * weights):
+    (img, alpha, meta, grads, weights). Without ``weights`` they are drawn (``weight_seed``) for this
+    image's shape, and an expected-depth channel (D / alpha, ill-conditioned where alpha is small) keeps
+    them only on the pixels whose alpha > 0.5."""
+    params = [t.detach().clone().to(dev).requires_grad_() for t in leaves]
+    img, alpha, meta = kernels.rasterization(*params, views.to(dev), Ks.to(dev), width, height, sh_degree=3,
+                                             backgrounds=bg.to(dev), **kw)
+    if weights is None:
+        weights = torch.randn(img.shape, generator=torch.Generator().manual_seed(weight_seed))
+        weights[..., 3:] *= (alpha.detach().cpu() > 0.5)
+    (img * weights.to(dev)).sum().backward()
+    return img, alpha, meta, [t.grad for t in params], weights
+
+
 def _render_both(n, width, height, n_cams, seed, cuda, **kw):
-    """Render on the CPU (twins) and on the GPU (kernels) and backpropagate the same loss: random
-    weights on the colours and, for an expected-depth channel (D / alpha, ill-conditioned where
-    alpha is small), on the pixels whose alpha > 0.5."""
+    """Render on the CPU (twins) and on the GPU (kernels) and backpropagate the same loss
+    (:func:`_render_and_grads`, the weights drawn on the CPU side)."""
     leaves, views, Ks, bg = _scene_inputs(n, width, height, n_cams, seed)
-    out, weights = {}, None
-    for dev in ("cpu", cuda):
-        params = [t.detach().clone().to(dev).requires_grad_() for t in leaves]  # leaves on both
-        img, alpha, meta = kernels.rasterization(*params, views.to(dev), Ks.to(dev), width, height, sh_degree=3,
-                                                 backgrounds=bg.to(dev), **kw)
-        if weights is None:
-            weights = torch.randn(img.shape, generator=torch.Generator().manual_seed(seed + 1))
-            weights[..., 3:] *= (alpha.detach() > 0.5)
-        (img * weights.to(dev)).sum().backward()
-        out[str(dev)] = (img, alpha, meta, [t.grad for t in params])
-    return out["cpu"], out[str(cuda)]
+    *cpu, weights = _render_and_grads(leaves, views, Ks, bg, width, height, "cpu", weight_seed=seed + 1, **kw)
+    *gpu, _ = _render_and_grads(leaves, views, Ks, bg, width, height, cuda, weights, **kw)
+    return tuple(cpu), tuple(gpu)
 
 
 GRAD_RTOL, GRAD_ATOL = 2e-3, 1e-4  # float32 both: see the projection and blending tests
@@ -393,18 +399,14 @@ def _threshold_rows(n, width, height, n_cams, seed, cpu_grads, perturbations=((2
     outside the tolerance before this rule (Gaussian 2824's d/dmeans, 0.38 off; H200, 2026-12-02) is
     among them, at 2^-22 already. The GPU's other four have not been looked at one by one."""
     leaves, views, Ks, bg = _scene_inputs(n, width, height, n_cams, seed)
-    weights = None
     rows = torch.zeros(n, dtype=torch.bool)
     for k, (eps, draws) in enumerate(perturbations):
         for d in range(draws):
             g = torch.Generator().manual_seed(1000 + 10 * k + d)
-            params = [(t * (1 + eps * torch.randn(t.shape, generator=g))).requires_grad_() for t in leaves]
-            img, alpha, _ = kernels.rasterization(*params, views, Ks, width, height, sh_degree=3, backgrounds=bg)
-            if weights is None:
-                weights = torch.randn(img.shape, generator=torch.Generator().manual_seed(seed + 1))
-            (img * weights).sum().backward()
-            for p, want in zip(params, cpu_grads):
-                rows |= _row_mismatch(p.grad, want)
+            moved = [t * (1 + eps * torch.randn(t.shape, generator=g)) for t in leaves]
+            grads = _render_and_grads(moved, views, Ks, bg, width, height, "cpu", weight_seed=seed + 1)[3]
+            for got, want in zip(grads, cpu_grads):
+                rows |= _row_mismatch(got, want)
     return rows
 
 
@@ -435,10 +437,7 @@ def test_threshold_rows_are_few_and_come_from_the_twin_alone():
     """The rows test_many_gaussians leaves out: none without a perturbation (the twin is
     deterministic), a few hundredths of a percent at 2 ulps, at most 0.5 % with the full rule."""
     leaves, views, Ks, bg = _scene_inputs(100_000, 320, 240, 1, 11)
-    params = [t.clone().requires_grad_() for t in leaves]
-    img, _, _ = kernels.rasterization(*params, views, Ks, 320, 240, sh_degree=3, backgrounds=bg)
-    (img * torch.randn(img.shape, generator=torch.Generator().manual_seed(12))).sum().backward()
-    grads = [p.grad for p in params]
+    grads = _render_and_grads(leaves, views, Ks, bg, 320, 240, "cpu", weight_seed=12)[3]
     assert not _threshold_rows(100_000, 320, 240, 1, 11, grads, perturbations=((0.0, 1),)).any()
     two_ulps = int(_threshold_rows(100_000, 320, 240, 1, 11, grads, perturbations=((2**-22, 1),)).sum())
     full = int(_threshold_rows(100_000, 320, 240, 1, 11, grads).sum())

@@ -42,6 +42,8 @@ def warmup_stream(device: torch.device) -> torch.cuda.Stream:
     so left up to 1 GiB of workspaces behind after a few dozen re-captures (measured: 31 blocks of
     32 MiB live after a lego run of 80 captures, twice gsplat's whole peak)."""
     device = torch.device(device)
+    if device.index is None:  # "cuda" and "cuda:0" are one device: one stream
+        device = torch.device("cuda", torch.cuda.current_device())
     if device not in _WARMUP_STREAMS:
         _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
     return _WARMUP_STREAMS[device]
