@@ -243,16 +243,13 @@ def test_init_extent_draws_the_random_start_in_a_cube_around_the_box(poses):
     p = gs_params({"gs": {"init_extent": 0.0}})
     inside = GaussianMethod(p, scene.aabb, cpu, scene=scene).gaussians["means"].detach()
     assert bool(((inside >= scene.aabb[0]) & (inside <= scene.aabb[1])).all())
-    p = gs_params({"gs": {"init_extent": 3.0}})
-    means = GaussianMethod(p, scene.aabb, cpu, scene=scene).gaussians["means"].detach()
-    half = 3.0 * scene_extent(scene.train.c2w)
-    offset = (means - scene.aabb.mean(0)).abs()
-    assert float(offset.max()) <= half and float(offset.max()) > 0.9 * half  # fills the cube, no further
-    assert half > float((scene.aabb[1] - scene.aabb[0]).max())  # a cube larger than the box here
-    default = GaussianMethod(gs_params(), scene.aabb, cpu, scene=scene).gaussians["means"].detach()
     assert gs_params().gs.init_extent == 0.3
-    offset = (default - scene.aabb.mean(0)).abs()
-    assert 0.9 * 0.3 * scene_extent(scene.train.c2w) < float(offset.max()) <= 0.3 * scene_extent(scene.train.c2w)
+    for extent, p in ((3.0, gs_params({"gs": {"init_extent": 3.0}})), (0.3, gs_params())):
+        means = GaussianMethod(p, scene.aabb, cpu, scene=scene).gaussians["means"].detach()
+        half = extent * scene_extent(scene.train.c2w)
+        offset = (means - scene.aabb.mean(0)).abs()
+        assert 0.9 * half < float(offset.max()) <= half, extent  # fills the cube, no further
+    assert 3.0 * scene_extent(scene.train.c2w) > float((scene.aabb[1] - scene.aabb[0]).max())  # larger than the box
     with pytest.raises(ParamsError, match="init_extent"):
         gs_params({"gs": {"init_extent": -1.0}})
 
