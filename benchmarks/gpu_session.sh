@@ -75,8 +75,10 @@ f)
   ;;
 g)
   # issue 15: the 100k-Gaussian comparison with its threshold rows left out (it failed on 5 of 300,000
-  # d/dmeans coordinates before them), and the GPU tests of test_gs_kernels.py as a whole
-  step kernel_tests 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gs_kernels.py
+  # d/dmeans coordinates before them), and the GPU tests of the kernels and the graph steps as a whole
+  # (warmup_stream's device key changed after they last ran)
+  step kernel_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gs_kernels.py \
+    tests/test_gs_graph.py tests/test_cuda_graph.py
   # issue 16: is ours 0.06 dB under gsplat on lego at 7k a difference or spread? Three seeds a side
   step lego_seeds 330 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 7000 --seeds 0 1 2 \
     --json "$OUT/lego_seeds.json"
