@@ -169,12 +169,13 @@ class _SH(torch.autograd.Function):
     def backward(ctx, g_colors):
         dirs, coeffs = ctx.saved_tensors
         items, sets = dirs.numel() // 3, coeffs.numel() // (coeffs.shape[-2] * 3)
-        v_coeffs = torch.zeros_like(coeffs)
-        v_dirs = torch.zeros_like(dirs) if ctx.needs_input_grad[0] else None
+        # one thread per coefficient set, which writes all of its set (and each item's v_dirs)
+        v_coeffs = torch.empty_like(coeffs) if items else torch.zeros_like(coeffs)
+        v_dirs = torch.empty_like(dirs) if ctx.needs_input_grad[0] else None
         g_colors = g_colors.to(torch.float32).contiguous()
         if items:
             program("project").launch(
-                "sh_bwd", _blocks(items), (BLOCK,),
+                "sh_bwd", _blocks(sets), (BLOCK,),
                 [(ctx.degree, i32), (items, i64), (sets, i64), (coeffs.shape[-2], i32), _p(dirs), _p(coeffs),
                  _p(g_colors), _p(v_coeffs), _p(v_dirs)],
                 device=dirs.device)

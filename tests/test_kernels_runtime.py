@@ -68,6 +68,34 @@ def test_every_source_compiles_without_a_gpu(source, arch, tmp_path):
         assert "warning" not in compiled.log, compiled.log
 
 
+# kernels allowed a stack frame: adam_bump_steps' 48 bytes (its pointer table), one thread a launch
+STACK_ALLOWED = {"adam_bump_steps"}
+
+
+@pytest.mark.parametrize("source", ALL_SOURCES, ids=lambda p: p.name)
+def test_no_kernel_keeps_arrays_in_local_memory(source):
+    """ptxas reports a stack frame where an array is indexed by a runtime value (a loop to a runtime
+    bound): it then lives in local memory, and every access goes through the cache. The SH kernels
+    did that with their 16 basis values (64 and 256 bytes) until their loops were unrolled with a
+    guard on the degree; this keeps every kernel at 0 bytes of stack and 0 bytes of spills on sm_90."""
+    import re
+
+    for prog in _programs_for(source):
+        compiled = loader.compile_source(prog.source, "sm_90", name_expressions=prog.name_expressions,
+                                         defines=prog.defines, options=prog.options + ("--ptxas-options=-v",),
+                                         cache_dir=False)
+        entry, seen = None, 0
+        for line in compiled.log.splitlines():
+            if m := re.search(r"Compiling entry function '(\w+)'", line):
+                entry = m.group(1)
+            elif entry and (m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores", line)):
+                seen += 1
+                name = next((e for e in STACK_ALLOWED if e in entry), None)
+                if name is None:
+                    assert m.groups() == ("0", "0"), f"{source.name}: {entry}: {line.strip()}"
+        assert seen >= len(prog.name_expressions), f"{source.name}: ptxas -v reported {seen} kernels"
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_a_blending_program_with_another_alpha_clamp_compiles_without_a_gpu(arch, tmp_path):
     """kernels.rasterization(alpha_max=0.999): the blending unit built with its own RF_ALPHA_MAX."""

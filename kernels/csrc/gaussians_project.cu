@@ -325,6 +325,8 @@ __device__ __forceinline__ void gs_sh_basis(int degree, float x, float y, float 
 
 // One thread per item: colours[i] = sum_k basis_k(dirs[i] / |dirs[i]|) coeffs[i % n_coeff_items, k].
 // n_coeff_items < items broadcasts one coefficient set over several cameras ([C, N] dirs, [N] sets).
+// The loops over the 16 basis functions are unrolled with a guard on the degree, so the basis stays
+// in registers (a loop to a runtime bound indexes it, which puts it in local memory).
 __global__ void sh_fwd(int degree, long long items, long long n_coeff_items, int K,
                        const float* __restrict__ dirs,     // [items, 3]
                        const float* __restrict__ coeffs,   // [n_coeff_items, K, 3]
@@ -338,48 +340,69 @@ __global__ void sh_fwd(int degree, long long items, long long n_coeff_items, int
   const float* c = coeffs + (i % n_coeff_items) * K * 3;
   const int nb = (degree + 1) * (degree + 1);
   float r = 0.f, g = 0.f, b = 0.f;
-  for (int k = 0; k < nb; ++k) {
-    r += Y[k] * c[3 * k];
-    g += Y[k] * c[3 * k + 1];
-    b += Y[k] * c[3 * k + 2];
+#pragma unroll
+  for (int k = 0; k < 16; ++k) {
+    if (k < nb) {
+      r += Y[k] * c[3 * k];
+      g += Y[k] * c[3 * k + 1];
+      b += Y[k] * c[3 * k + 2];
+    }
   }
   colors[3 * i] = r;
   colors[3 * i + 1] = g;
   colors[3 * i + 2] = b;
 }
 
-// Backward of sh_fwd: v_coeffs (zeros, accumulated: sets are shared when broadcast) and, when
-// v_dirs != nullptr, the direction's gradient through the normalisation.
+// Backward of sh_fwd, one thread per coefficient set: it walks the items that share the set
+// (items / n_coeff_items cameras, item = camera * n_coeff_items + set), sums their v_coeffs in
+// registers and stores them once, so there are no atomics and no zero fill: every coefficient of
+// the set is written, those past the degree with 0. When v_dirs != nullptr, each item's direction
+// gradient goes through the normalisation.
 __global__ void sh_bwd(int degree, long long items, long long n_coeff_items, int K,
                        const float* __restrict__ dirs, const float* __restrict__ coeffs,
                        const float* __restrict__ v_colors,   // [items, 3]
                        float* __restrict__ v_coeffs,         // [n_coeff_items, K, 3]
                        float* __restrict__ v_dirs) {         // [items, 3] or nullptr
-  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= items) return;
-  const float dx = dirs[3 * i], dy = dirs[3 * i + 1], dz = dirs[3 * i + 2];
-  const float inv = rsqrtf(fmaxf(dx * dx + dy * dy + dz * dz, 1e-30f));
-  const float u[3] = {dx * inv, dy * inv, dz * inv};
-  float Y[16], dY[16][3];
-  gs_sh_basis(degree, u[0], u[1], u[2], Y, v_dirs != nullptr ? dY : nullptr);
-  const long long set = i % n_coeff_items;
+  const long long set = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (set >= n_coeff_items) return;
   const float* c = coeffs + set * K * 3;
-  float* vc = v_coeffs + set * K * 3;
-  const float g[3] = {v_colors[3 * i], v_colors[3 * i + 1], v_colors[3 * i + 2]};
   const int nb = (degree + 1) * (degree + 1);
-  float gu[3] = {0.f, 0.f, 0.f};
-  for (int k = 0; k < nb; ++k) {
+  float acc[16][3];
 #pragma unroll
-    for (int ch = 0; ch < 3; ++ch) atomicAdd(vc + 3 * k + ch, Y[k] * g[ch]);
-    if (v_dirs != nullptr) {
-      const float cg = c[3 * k] * g[0] + c[3 * k + 1] * g[1] + c[3 * k + 2] * g[2];
+  for (int k = 0; k < 16; ++k) acc[k][0] = acc[k][1] = acc[k][2] = 0.f;
+  for (long long i = set; i < items; i += n_coeff_items) {
+    const float dx = dirs[3 * i], dy = dirs[3 * i + 1], dz = dirs[3 * i + 2];
+    const float inv = rsqrtf(fmaxf(dx * dx + dy * dy + dz * dz, 1e-30f));
+    const float u[3] = {dx * inv, dy * inv, dz * inv};
+    float Y[16], dY[16][3];  // dY always: a conditional pointer to it would put it in local memory
+    gs_sh_basis(degree, u[0], u[1], u[2], Y, dY);
+    const float g[3] = {v_colors[3 * i], v_colors[3 * i + 1], v_colors[3 * i + 2]};
+    float gu[3] = {0.f, 0.f, 0.f};
 #pragma unroll
-      for (int j = 0; j < 3; ++j) gu[j] += cg * dY[k][j];
+    for (int k = 0; k < 16; ++k) {
+      if (k < nb) {
+#pragma unroll
+        for (int ch = 0; ch < 3; ++ch) acc[k][ch] += Y[k] * g[ch];
+        if (v_dirs != nullptr) {
+          const float cg = c[3 * k] * g[0] + c[3 * k + 1] * g[1] + c[3 * k + 2] * g[2];
+#pragma unroll
+          for (int j = 0; j < 3; ++j) gu[j] += cg * dY[k][j];
+        }
+      }
+    }
+    if (v_dirs != nullptr) {  // u = d / |d|: dL/dd = (gu - (gu . u) u) / |d|
+      const float dot = gu[0] * u[0] + gu[1] * u[1] + gu[2] * u[2];
+#pragma unroll
+      for (int j = 0; j < 3; ++j) v_dirs[3 * i + j] = (gu[j] - dot * u[j]) * inv;
     }
   }
-  if (v_dirs != nullptr) {  // u = d / |d|: dL/dd = (gu - (gu . u) u) / |d|
-    const float dot = gu[0] * u[0] + gu[1] * u[1] + gu[2] * u[2];
+  float* vc = v_coeffs + set * K * 3;
 #pragma unroll
-    for (int j = 0; j < 3; ++j) v_dirs[3 * i + j] = (gu[j] - dot * u[j]) * inv;
+  for (int k = 0; k < 16; ++k) {
+    if (k < K) {
+#pragma unroll
+      for (int ch = 0; ch < 3; ++ch) vc[3 * k + ch] = acc[k][ch];
+    }
   }
+  for (int k = 16; k < K; ++k) vc[3 * k] = vc[3 * k + 1] = vc[3 * k + 2] = 0.f;  // K > 16: unused rows
 }
