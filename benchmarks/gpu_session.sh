@@ -107,11 +107,14 @@ i)
     --set "densify={reset_every: 100000}" --json "$OUT/gs30k_fox_noreset.json"
   ;;
 j)
-  # issue 15: the SH kernels without local memory or atomics (not yet run on a GPU when written):
-  # the kernel and graph-step tests first, then the rasterizer table again (1M, 3M with the kernel
-  # profile, and our trained lego at 7k), then the 7k lego row to see the training step
-  step kernel_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gs_kernels.py \
-    tests/test_gs_graph.py tests/test_cuda_graph.py
+  # issue 15: the SH kernels without local memory or atomics and the packed launch arguments (not
+  # yet run on a GPU when written): the GPU tests of every kernel (all launch through the packing)
+  # and of the graph steps first, the launch's host time, then the rasterizer table again (1M, 3M
+  # with the kernel profile, and our trained lego at 7k) and the 7k lego rows
+  step kernel_tests 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_runtime.py \
+    tests/test_gs_kernels.py tests/test_gs_raster.py tests/test_gs_graph.py tests/test_cuda_graph.py \
+    tests/test_render_kernels.py tests/test_hashgrid.py tests/test_adam.py tests/test_ssim.py
+  step launch 30 python3 benchmarks/bench_launch.py --json "$OUT/launch_H200.json"
   step raster 200 python3 benchmarks/bench_rasterizer.py --profile 10 --json "$OUT/rasterizer_H200.json"
   step lego7k 120 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 7000 --save-ply "$OUT/ply" \
     --json "$OUT/lego7k.json"

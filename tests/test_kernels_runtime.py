@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
 import shutil
@@ -315,6 +316,54 @@ def test_program_pickles_without_native_handles(tmp_path):
     restored = pickle.loads(pickle.dumps(fake))
     assert restored._loaded == {}
     assert restored.compile("sm_90", cache_dir=tmp_path).lowered_names
+
+
+# ---------------------------------------------------------------------------- packed launch arguments
+
+
+def _read_back(address: int, types) -> list:
+    """The values a void** at ``address`` points at, read as ``types`` (what the driver reads)."""
+    pointers = (ctypes.c_void_p * len(types)).from_address(address)
+    return [ctypes.cast(pointers[i], ctypes.POINTER(t)).contents.value for i, t in enumerate(types)]
+
+
+def test_packed_args_hold_every_value_at_its_pointer():
+    from kernels._driver import f32, i32, i64, packed_args, ptr, u32
+
+    args = [(0x7F00_1234_5678, ptr), (-3, i32), (2**40 + 5, i64), (0.3, f32), (4_000_000_000, u32), (0, ptr),
+            (True, i32)]
+    address = packed_args(args)
+    assert isinstance(address, int) and address != 0
+    got = _read_back(address, [t for _, t in args])
+    assert got[:3] == [0x7F00_1234_5678, -3, 2**40 + 5] and got[4:6] == [4_000_000_000, None] and got[6] == 1
+    assert got[3] == ctypes.c_float(0.3).value  # float32, as the kernel sees it
+
+
+def test_packed_args_reuse_one_buffer_per_signature_and_thread():
+    from kernels._driver import i32, packed_args, ptr
+
+    first = packed_args([(1, i32), (2, ptr)])
+    second = packed_args([(7, i32), (9, ptr)])
+    assert first == second and _read_back(second, [i32, ptr]) == [7, 9]
+    assert packed_args([(1, ptr), (2, i32)]) != first  # another signature, another buffer
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(packed_args([(5, i32), (6, ptr)])))
+    thread.start()
+    thread.join()
+    assert seen[0] != first, "threads must not share a buffer (one could overwrite the other's arguments)"
+    assert _read_back(first, [i32, ptr]) == [7, 9]
+
+
+def test_packed_args_fall_back_to_the_tuple_form():
+    """Values struct refuses (out of range, None) and types without a code keep cuda-python's tuple
+    form, which casts them as ctypes does: the launch behaves as it did before packing."""
+    from kernels._driver import f32, i32, packed_args, ptr
+
+    assert packed_args([(2**31, i32), (0, ptr)]) == ((2**31, 0), (i32, ptr))
+    assert packed_args([(None, ptr)]) == ((None,), (ptr,))
+    assert packed_args([(1e39, f32)]) == ((1e39,), (f32,))
+    assert packed_args([(1, ctypes.c_int16)]) == ((1,), (ctypes.c_int16,))
+    assert packed_args([]) == 0
 
 
 # ---------------------------------------------------------------------------- GPU

@@ -1,0 +1,147 @@
+"""The project's CUDA sources built for the host CPU, so CI (no GPU) runs the kernels' own code.
+
+A few lines of shim turn the CUDA C++ of a ``csrc/*.cu`` file into host C++: ``__global__`` and
+``__device__`` vanish, the explicitly rounded intrinsics (``__fmul_rn``, ``__fmaf_rn``, ...) become
+the operations they round (the build passes ``-ffp-contract=off``, so nothing else is fused),
+atomics become plain read-modify-writes, and ``blockIdx`` / ``threadIdx`` are globals. A launch
+then runs every thread of the grid in turn, in index order, with the arguments packed exactly as
+the GPU launch packs them (:func:`kernels._driver.packed_args`).
+
+That is right for kernels whose threads do not talk to each other: one thread per item, with
+atomics at most (projection, spherical harmonics, tile binning). Kernels that synchronise a block
+(``__syncthreads``) or a warp (the radix sort, the blending) cannot run one thread at a time; the
+shim compiles them but aborts if they are launched, and their tests stay on the GPU.
+
+:class:`HostProgram` stands in for :class:`kernels._driver.KernelProgram` (same ``launch``), so the
+ops' CUDA path in ``kernels/_gs_cuda.py`` runs unchanged on CPU tensors with it; see
+``tests/test_gs_kernels_on_host.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from kernels import loader
+from kernels._driver import KernelProgram, packed_args
+
+CXX = shutil.which("g++") or shutil.which("clang++")
+
+SHIM = r"""
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+using std::isfinite;
+using std::isinf;
+using std::isnan;
+// CUDA's integer min / max for any pair of arithmetic types
+template <typename A, typename B> static inline std::common_type_t<A, B> min(A a, B b) { return b < a ? b : a; }
+template <typename A, typename B> static inline std::common_type_t<A, B> max(A a, B b) { return a < b ? b : a; }
+struct rf_dim3 { unsigned x, y, z; };
+static rf_dim3 threadIdx, blockIdx, blockDim, gridDim;
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __restrict__
+#define __shared__ static
+[[noreturn]] static void rf_needs_gpu(const char* what) {
+  fprintf(stderr, "host build: %s synchronises threads; this kernel runs on a GPU only\n", what);
+  abort();
+}
+static inline void __syncthreads() { rf_needs_gpu("__syncthreads"); }
+static inline unsigned __match_any_sync(unsigned, int) { rf_needs_gpu("__match_any_sync"); }
+static inline unsigned __ballot_sync(unsigned, int) { rf_needs_gpu("__ballot_sync"); }
+template <typename T> static inline T __shfl_sync(unsigned, T, int, int = 32) { rf_needs_gpu("__shfl_sync"); }
+template <typename T> static inline T __shfl_xor_sync(unsigned, T, int, int = 32) { rf_needs_gpu("__shfl_xor_sync"); }
+template <typename T> static inline T __shfl_down_sync(unsigned, T, int, int = 32) { rf_needs_gpu("__shfl_down_sync"); }
+// __expf and __logf: glibc declares them (its expf and logf), which is what they stand for here
+static inline int __popc(unsigned v) { return __builtin_popcount(v); }
+static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+static inline int __float_as_int(float f) { int i; memcpy(&i, &f, 4); return i; }
+template <typename T> static inline T atomicAdd(T* p, T v) { const T old = *p; *p = old + v; return old; }
+template <typename T> static inline T atomicOr(T* p, T v) { const T old = *p; *p = old | v; return old; }
+template <typename T> static inline T atomicMax(T* p, T v) { const T old = *p; if (v > old) *p = v; return old; }
+template <typename T> static inline T __ldg(const T* p) { return *p; }
+"""
+
+# a launch: every thread of the grid in index order, each kernel parameter read from its slot of
+# the void** array the GPU launch would hand to cuLaunchKernel
+LAUNCHER = r"""
+template <typename... A, std::size_t... I>
+static void rf_call(void (*kernel)(A...), void** args, std::index_sequence<I...>) {
+  kernel(*static_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(args[I])...);
+}
+template <typename... A>
+static void rf_launch(void (*kernel)(A...), const long long* dims, void** args) {
+  gridDim = {(unsigned)dims[0], (unsigned)dims[1], (unsigned)dims[2]};
+  blockDim = {(unsigned)dims[3], (unsigned)dims[4], (unsigned)dims[5]};
+  for (unsigned bz = 0; bz < gridDim.z; ++bz)
+    for (unsigned by = 0; by < gridDim.y; ++by)
+      for (unsigned bx = 0; bx < gridDim.x; ++bx)
+        for (unsigned tz = 0; tz < blockDim.z; ++tz)
+          for (unsigned ty = 0; ty < blockDim.y; ++ty)
+            for (unsigned tx = 0; tx < blockDim.x; ++tx) {
+              blockIdx = {bx, by, bz};
+              threadIdx = {tx, ty, tz};
+              rf_call(kernel, args, std::index_sequence_for<A...>{});
+            }
+}
+"""
+
+
+def _symbol(name_expression: str) -> str:
+    return "rf_run_" + re.sub(r"\W", "_", name_expression)
+
+
+class HostProgram:
+    """A kernel program built for the host: ``launch`` as :meth:`KernelProgram.launch`, on CPU memory.
+
+    Args:
+        program: the GPU program to mirror (its source, kernels and defines).
+        build_dir: where the shared library goes.
+        kernels: the name expressions to expose (default: all of the program's).
+    """
+
+    def __init__(self, program: KernelProgram, build_dir: Path, kernels: list[str] | None = None):
+        if CXX is None:
+            raise RuntimeError("no host C++ compiler (g++ or clang++)")
+        self.source = program.source
+        self.name_expressions = tuple(kernels or program.name_expressions)
+        stem = f"{self.source.stem}_{abs(hash((self.name_expressions, tuple(sorted(program.defines.items())))))}"
+        cpp, lib = build_dir / f"{stem}.cpp", build_dir / f"{stem}.so"
+        wrappers = "".join(
+            f'extern "C" void {_symbol(n)}(const long long* dims, void** args) {{ rf_launch(&{n}, dims, args); }}\n'
+            for n in self.name_expressions)
+        cpp.write_text(SHIM + f'#include "{self.source}"\n' + LAUNCHER + wrappers)
+        defines = [f"-D{k}={v}" for k, v in program.defines.items()]
+        cmd = [CXX, "-std=c++17", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-Wno-unknown-pragmas",
+               f"-I{loader.CSRC_DIR}", *defines, "-o", str(lib), str(cpp)]
+        build = subprocess.run(cmd, capture_output=True, text=True)
+        if build.returncode != 0:
+            raise RuntimeError(f"host build of {self.source.name} failed:\n{build.stderr[-4000:]}")
+        self._lib = ctypes.CDLL(str(lib))
+        self.launched: list[str] = []
+
+    def launch(self, name_expression, grid, block, args, device=None, shared_mem=0) -> None:
+        if name_expression not in self.name_expressions:
+            raise KeyError(f"{name_expression} is not built for the host")
+        params = packed_args(args)
+        if not isinstance(params, int):
+            raise ValueError(f"{name_expression}: arguments that do not pack: {args}")
+        dims = (ctypes.c_longlong * 6)(*(*grid, 1, 1, 1)[:3], *(*block, 1, 1, 1)[:3])
+        getattr(self._lib, _symbol(name_expression))(dims, ctypes.c_void_p(params))
+        self.launched.append(name_expression)
