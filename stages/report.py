@@ -197,21 +197,54 @@ BENCH_COLUMNS = (("scene", "scene", None), ("steps", "steps", None), ("implement
                  ("Gaussians", "gaussians", None), ("peak GB", "peak_gb", 2), ("render FPS", "fps", 0))
 
 
+_BENCH_NEED = ("scene", "steps", "impl", "train_s", "psnr")
+
+
+def _bench_rows_ok(rows) -> bool:
+    return isinstance(rows, list) and bool(rows) and all(
+        isinstance(r, dict) and all(k in r for k in _BENCH_NEED) for r in rows)
+
+
 def read_benchmark(path: str | Path) -> dict:
     """A method benchmark beside its peer (``bench_3dgs.py --json``): ``{"environment": {...},
-    "rows": [{"scene", "steps", "impl", "train_s", "psnr", ...}]}``."""
+    "rows": [{"scene", "steps", "impl", "train_s", "psnr", ...}]}``.
+
+    Optional blocks the report shows under the main table: ``seeds`` (``{"note", "rows",
+    "summary": {scene: {impl: [mean PSNR, runs]}}}``, more seeds of the same rows) and each
+    ``other_runs.<name>`` with rows of the same shape (variants run beside the table, e.g. ours
+    without the opacity reset). Blocks without such rows are left out."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"benchmark file not found: {path}")
     doc = read_json(path)
     rows = doc.get("rows") if isinstance(doc, dict) else None
-    need = ("scene", "steps", "impl", "train_s", "psnr")
-    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and all(k in r for k in need)
-                                                         for r in rows):
-        raise ValueError(f"{path}: expected {{\"environment\", \"rows\": [{{{', '.join(need)}, ...}}]}}")
+    if not _bench_rows_ok(rows):
+        raise ValueError(f"{path}: expected {{\"environment\", \"rows\": [{{{', '.join(_BENCH_NEED)}, ...}}]}}")
+    others = doc.get("other_runs")
+    blocks = [("seeds", doc.get("seeds"))] + ([(str(k), v) for k, v in others.items()] if isinstance(others, dict) else [])
+    extra = [{"name": name, "note": b.get("note") if isinstance(b.get("note"), str) else None, "rows": b["rows"]}
+             for name, b in blocks if isinstance(b, dict) and _bench_rows_ok(b.get("rows"))]
+    seeds = doc.get("seeds") if isinstance(doc.get("seeds"), dict) else {}
+    summary = seeds.get("summary") if isinstance(seeds.get("summary"), dict) else None
     return {"source": path.as_posix(), "environment": doc.get("environment") or {}, "rows": rows,
             "protocol": doc.get("protocol") if isinstance(doc.get("protocol"), str) else None,
-            "peer": doc.get("peer") if isinstance(doc.get("peer"), str) else None}
+            "peer": doc.get("peer") if isinstance(doc.get("peer"), str) else None,
+            "extra": extra, "seed_summary": summary}
+
+
+def seed_summary_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of a seeds summary: one row a scene, one column an implementation, cells
+    "mean dB (runs)"; an implementation a scene lacks gets an empty cell."""
+    impls = list(dict.fromkeys(i for per in summary.values() if isinstance(per, dict) for i in per))
+    out = []
+    for scene, per in summary.items():
+        cells = []
+        for impl in impls:
+            v = per.get(impl) if isinstance(per, dict) else None
+            ok = isinstance(v, (list, tuple)) and len(v) == 2 and isinstance(v[0], (int, float))
+            cells.append(f"{v[0]:.2f} dB ({v[1]})" if ok else "")
+        out.append([str(scene), *cells])
+    return ["scene", *impls], out
 
 
 def _decimals(value, nd: int) -> int:
@@ -749,6 +782,15 @@ def run(
         headers = [h for h, _, _ in BENCH_COLUMNS]
         doc.table(headers[:4] + ["time vs peer"] + headers[4:], benchmark_rows(bench["rows"], bench["peer"]),
                   "benchmark")
+        if bench.get("seed_summary"):
+            doc.h3("Mean test PSNR over seeds")
+            doc.table(*seed_summary_rows(bench["seed_summary"]), "benchmark")
+        for block in bench.get("extra") or []:
+            doc.h3(f"Also run: {block['name']}")
+            if block["note"]:
+                doc.para(block["note"], em=True)
+            doc.table(headers[:4] + ["time vs peer"] + headers[4:], benchmark_rows(block["rows"], bench["peer"]),
+                      "benchmark")
     if elsewhere:
         doc.h2("Appendix: scaling measured on other scenes")
         others = sorted({str(sc.get("scene") or "scene not recorded") for sc in elsewhere})

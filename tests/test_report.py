@@ -431,3 +431,27 @@ def test_method_benchmarks_read_and_compare_to_their_peer(tmp_path):
     path.write_text(json.dumps({"rows": [{"scene": "lego"}]}))
     with pytest.raises(ValueError, match="expected"):
         read_benchmark(path)
+
+
+def test_method_benchmarks_show_seeds_and_other_runs(tmp_path):
+    """A benchmark's seeds summary and its other_runs blocks with rows of the table's shape are
+    read for the appendix; blocks without such rows are left out."""
+    from stages.report import read_benchmark, seed_summary_rows
+
+    row = {"scene": "lego", "steps": 7000, "impl": "rayforge", "train_s": 16.0, "psnr": 32.9}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({
+        "rows": [row, dict(row, impl="gsplat", train_s=34.0)],
+        "seeds": {"note": "seeds 1 and 2", "rows": [dict(row, seed=1)],
+                  "summary": {"lego": {"rayforge": [32.78, 3], "gsplat": [32.92, 3]}, "fox": {"gsplat": [31.75, 3]}}},
+        "other_runs": {"no_reset": {"note": "reset off", "rows": [dict(row, impl="rayforge, reset off")]},
+                       "memory": {"note": "no rows of the table's shape", "rows": [{"peak_gb": 0.4}]},
+                       "text": "a string"}}))
+    doc = read_benchmark(path)
+    assert [(b["name"], b["note"], len(b["rows"])) for b in doc["extra"]] == [("seeds", "seeds 1 and 2", 1),
+                                                                              ("no_reset", "reset off", 1)]
+    header, rows = seed_summary_rows(doc["seed_summary"])
+    assert header == ["scene", "rayforge", "gsplat"]
+    assert rows == [["lego", "32.78 dB (3)", "32.92 dB (3)"], ["fox", "", "31.75 dB (3)"]]
+    path.write_text(json.dumps({"rows": [row]}))
+    assert read_benchmark(path)["extra"] == [] and read_benchmark(path)["seed_summary"] is None
