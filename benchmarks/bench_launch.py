@@ -14,8 +14,9 @@ M = 0, 6 arguments):
 * ``raw_stream``: PyTorch's current stream as an integer;
 * ``cuLaunchKernel, tuple args``: the driver call with the (values, types) tuples cuda-python packs
   on every call, the context already current;
-* ``cuLaunchKernel, packed args``: the same with the arguments packed once into a ctypes void**
-  array handed over as its address (what a launch could cost without the per-call packing);
+* ``cuLaunchKernel, packed args``: the same with the arguments packed once
+  (``kernels._driver.ArgPacker``, the buffer ``launch`` now fills on every call) and handed over as
+  its address;
 * ``torch add_``: ``x.add_(1)`` on a one-element CUDA tensor, for scale.
 
 Prints a table; needs a CUDA GPU.
@@ -23,7 +24,6 @@ Prints a table; needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import platform
 import sys
@@ -47,13 +47,6 @@ def per_call_us(fn, repeats: int) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / repeats * 1e6
-
-
-def packed(args) -> tuple[ctypes.Array, list]:
-    """A void** array pointing at one ctypes value per argument (kept alive by the returned list)."""
-    values = [ctype(value) for value, ctype in args]
-    array = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    return array, values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         function = prog.load(0)[name]
         stream = _driver._current_raw_stream(0)
         values, types = tuple(a[0] for a in kargs), tuple(a[1] for a in kargs)
-        array, keep = packed(kargs)
-        address = ctypes.addressof(array)
+        packer = _driver.ArgPacker(types)  # what launch() packs into, filled once here
+        address = packer.pack(values)
         cu_stream = driver.CUstream(stream)
 
         def tuple_launch():
@@ -98,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
                 "cuLaunchKernel, tuple args": per_call_us(tuple_launch, args.repeats),
                 "cuLaunchKernel, packed args": per_call_us(packed_launch, args.repeats),
             }
-        del keep
 
     def context():
         with _driver.device_context(0):
