@@ -19,9 +19,10 @@ from ._driver import KernelProgram, f32, i32, i64, ptr
 from ._gs_reference import ALPHA_MAX, ALPHA_MIN, EXTEND, T_MIN, Projection, key_bits
 
 BLOCK = 256  # threads per block of the per-Gaussian and per-intersection kernels
+SH_BLOCK = 128  # threads per block of the SH kernels (csrc/gaussians_project.cu: a shared row per thread)
 MAX_CHANNELS = 4  # rasterize kernels exist for 1..4 channels; more go through in chunks of 4
 DEFINES = {"RF_ALPHA_MIN": f"({ALPHA_MIN!r}f)", "RF_ALPHA_MAX": f"({ALPHA_MAX!r}f)",
-           "RF_T_MIN": f"({T_MIN!r}f)", "RF_EXTEND": f"({EXTEND!r}f)"}
+           "RF_T_MIN": f"({T_MIN!r}f)", "RF_EXTEND": f"({EXTEND!r}f)", "RF_SH_BLOCK": str(SH_BLOCK)}
 _PROJECT = ["check_inputs", "projection_fwd", "projection_bwd", "sh_fwd", "sh_bwd"]
 _TILES = ["tile_counts", "tile_emit", "tile_finish", "tile_offsets", "radix_histogram", "radix_scatter"]
 # How bin_tiles sorts the M camera|tile keys: "torch" (torch.sort, stable, all 32 bits, an int64
@@ -69,8 +70,8 @@ def _p(t: torch.Tensor | None):
     return (0 if t is None else t.data_ptr(), ptr)
 
 
-def _blocks(n: int) -> tuple[int]:
-    return (-(-n // BLOCK),)
+def _blocks(n: int, block: int = BLOCK) -> tuple[int]:
+    return (-(-n // block),)
 
 
 def _grad(g: torch.Tensor | None, shape: tuple, device) -> torch.Tensor:
@@ -157,7 +158,7 @@ class _SH(torch.autograd.Function):
         out = torch.empty(*dirs.shape[:-1], 3, device=dirs.device)
         if items:
             program("project").launch(
-                "sh_fwd", _blocks(items), (BLOCK,),
+                "sh_fwd", _blocks(items, SH_BLOCK), (SH_BLOCK,),
                 [(degree, i32), (items, i64), (sets, i64), (coeffs.shape[-2], i32), _p(dirs), _p(coeffs), _p(out)],
                 device=dirs.device)
         ctx.save_for_backward(dirs, coeffs)
@@ -175,7 +176,7 @@ class _SH(torch.autograd.Function):
         g_colors = g_colors.to(torch.float32).contiguous()
         if items:
             program("project").launch(
-                "sh_bwd", _blocks(sets), (BLOCK,),
+                "sh_bwd", _blocks(sets, SH_BLOCK), (SH_BLOCK,),
                 [(ctx.degree, i32), (items, i64), (sets, i64), (coeffs.shape[-2], i32), _p(dirs), _p(coeffs),
                  _p(g_colors), _p(v_coeffs), _p(v_dirs)],
                 device=dirs.device)

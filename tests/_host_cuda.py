@@ -4,13 +4,17 @@ A few lines of shim turn the CUDA C++ of a ``csrc/*.cu`` file into host C++: ``_
 ``__device__`` vanish, the explicitly rounded intrinsics (``__fmul_rn``, ``__fmaf_rn``, ...) become
 the operations they round (the build passes ``-ffp-contract=off``, so nothing else is fused),
 atomics become plain read-modify-writes, and ``blockIdx`` / ``threadIdx`` are globals. A launch
-then runs every thread of the grid in turn, in index order, with the arguments packed exactly as
-the GPU launch packs them (:func:`kernels._driver.packed_args`).
+runs the grid's blocks in turn, with the arguments packed exactly as the GPU launch packs them
+(:func:`kernels._driver.packed_args`). A block's threads are coroutines (``ucontext``, a stack each)
+that the launch resumes in index order: each runs to its next ``__syncthreads`` or its end, so no
+thread passes a barrier before all of the block reach it, and ``__shared__`` arrays (function
+statics here) are the block's shared memory.
 
-That is right for kernels whose threads do not talk to each other: one thread per item, with
-atomics at most (projection, spherical harmonics, tile binning). Kernels that synchronise a block
-(``__syncthreads``) or a warp (the radix sort, the blending) cannot run one thread at a time; the
-shim compiles them but aborts if they are launched, and their tests stay on the GPU.
+That is right for kernels whose threads share at most a block's barrier and memory: projection,
+spherical harmonics (which stage their coefficients through shared memory), tile binning.
+Kernels that work as a warp (``__shfl_sync``, ``__ballot_sync``: the radix sort, the blending)
+need threads in lockstep; the shim compiles them but aborts if they are launched, and their
+tests stay on the GPU.
 
 :class:`HostProgram` stands in for :class:`kernels._driver.KernelProgram` (same ``launch``), so the
 ops' CUDA path in ``kernels/_gs_cuda.py`` runs unchanged on CPU tensors with it; see
@@ -36,7 +40,9 @@ SHIM = r"""
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
+#include <ucontext.h>
 #include <utility>
+#include <vector>
 using std::isfinite;
 using std::isinf;
 using std::isnan;
@@ -49,13 +55,18 @@ static rf_dim3 threadIdx, blockIdx, blockDim, gridDim;
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __launch_bounds__(...)
 #define __restrict__
 #define __shared__ static
 [[noreturn]] static void rf_needs_gpu(const char* what) {
   fprintf(stderr, "host build: %s synchronises threads; this kernel runs on a GPU only\n", what);
   abort();
 }
-static inline void __syncthreads() { rf_needs_gpu("__syncthreads"); }
+// the launch's scheduler and the running thread's context (see LAUNCHER)
+static ucontext_t rf_scheduler;
+static ucontext_t* rf_running = nullptr;
+static bool rf_barrier_hit = false;  // set by a thread that parks at a barrier, not by one that ends
+static inline void __syncthreads() { rf_barrier_hit = true; swapcontext(rf_running, &rf_scheduler); }
 static inline unsigned __match_any_sync(unsigned, int) { rf_needs_gpu("__match_any_sync"); }
 static inline unsigned __ballot_sync(unsigned, int) { rf_needs_gpu("__ballot_sync"); }
 template <typename T> static inline T __shfl_sync(unsigned, T, int, int = 32) { rf_needs_gpu("__shfl_sync"); }
@@ -78,27 +89,61 @@ template <typename T> static inline T atomicMax(T* p, T v) { const T old = *p; i
 template <typename T> static inline T __ldg(const T* p) { return *p; }
 """
 
-# a launch: every thread of the grid in index order, each kernel parameter read from its slot of
-# the void** array the GPU launch would hand to cuLaunchKernel
+# a launch: block after block; in a block, every thread a coroutine resumed in index order until
+# all have returned (each resume runs a thread to its next __syncthreads or its end); each kernel
+# parameter is read from its slot of the void** array the GPU launch would hand to cuLaunchKernel
 LAUNCHER = r"""
 template <typename... A, std::size_t... I>
 static void rf_call(void (*kernel)(A...), void** args, std::index_sequence<I...>) {
   kernel(*static_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(args[I])...);
 }
+static void (*rf_thread_body)();  // the kernel call of the launch in progress
+static void rf_thread_entry() { rf_thread_body(); }  // returns to rf_scheduler (uc_link)
+struct rf_thread { ucontext_t ctx; rf_dim3 idx; bool done; };
+static constexpr size_t RF_STACK = 256 * 1024;
 template <typename... A>
 static void rf_launch(void (*kernel)(A...), const long long* dims, void** args) {
   gridDim = {(unsigned)dims[0], (unsigned)dims[1], (unsigned)dims[2]};
   blockDim = {(unsigned)dims[3], (unsigned)dims[4], (unsigned)dims[5]};
+  static void (*the_kernel)(A...);
+  static void** the_args;
+  the_kernel = kernel;
+  the_args = args;
+  rf_thread_body = [] { rf_call(the_kernel, the_args, std::index_sequence_for<A...>{}); };
+  const size_t n = (size_t)blockDim.x * blockDim.y * blockDim.z;
+  std::vector<rf_thread> threads(n);
+  std::vector<char> stacks(n * RF_STACK);
   for (unsigned bz = 0; bz < gridDim.z; ++bz)
     for (unsigned by = 0; by < gridDim.y; ++by)
-      for (unsigned bx = 0; bx < gridDim.x; ++bx)
+      for (unsigned bx = 0; bx < gridDim.x; ++bx) {
+        blockIdx = {bx, by, bz};
+        size_t k = 0;
         for (unsigned tz = 0; tz < blockDim.z; ++tz)
           for (unsigned ty = 0; ty < blockDim.y; ++ty)
-            for (unsigned tx = 0; tx < blockDim.x; ++tx) {
-              blockIdx = {bx, by, bz};
-              threadIdx = {tx, ty, tz};
-              rf_call(kernel, args, std::index_sequence_for<A...>{});
+            for (unsigned tx = 0; tx < blockDim.x; ++tx, ++k) {
+              rf_thread& t = threads[k];
+              t.idx = {tx, ty, tz};
+              t.done = false;
+              getcontext(&t.ctx);
+              t.ctx.uc_stack.ss_sp = stacks.data() + k * RF_STACK;
+              t.ctx.uc_stack.ss_size = RF_STACK;
+              t.ctx.uc_link = &rf_scheduler;
+              makecontext(&t.ctx, rf_thread_entry, 0);
             }
+        for (size_t live = n; live > 0;) {  // one round: every live thread to its next barrier or end
+          live = 0;
+          for (rf_thread& t : threads) {
+            if (t.done) continue;
+            threadIdx = t.idx;
+            rf_running = &t.ctx;
+            rf_barrier_hit = false;
+            // back here when the thread parks at a barrier (its place saved in t.ctx) or returns
+            // (uc_link resumes the scheduler)
+            swapcontext(&rf_scheduler, &t.ctx);
+            if (rf_barrier_hit) ++live; else t.done = true;
+          }
+        }
+      }
 }
 """
 

@@ -58,7 +58,7 @@ _C_TYPES = {"long long": ctypes.c_int64, "int": ctypes.c_int32, "float": ctypes.
 
 
 def _signature(source: str, kernel: str) -> list:
-    m = re.search(r"__global__\s+void\s+" + re.escape(kernel) + r"\s*\((.*?)\)\s*\{", source, re.S)
+    m = re.search(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?" + re.escape(kernel) + r"\s*\((.*?)\)\s*\{", source, re.S)
     assert m, f"no __global__ {kernel} in the source"
     types = []
     for param in re.sub(r"//[^\n]*", "", m.group(1)).split(","):
@@ -189,6 +189,30 @@ def test_spherical_harmonics_match_the_twin(cuda, degree):
     want = torch.autograd.grad((ref.spherical_harmonics_reference(degree, d64, c64) * cot.double()).sum(), (d64, c64),
                                allow_unused=True, materialize_grads=True)  # degree 0 ignores the directions
     _close(got[0], want[0], 1e-4, 1e-6, "d/ddirs")  # float32 sums of <= 16 terms
+    _close(got[1], want[1], 1e-4, 1e-6, "d/dcoeffs")
+    assert (got[1][:, (degree + 1) ** 2:] == 0).all()
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("n_sets, n_cams, degree", [(37, 5, 3), (300, 2, 1), (129, 1, 2)])
+def test_spherical_harmonics_stage_sets_across_blocks(cuda, n_sets, n_cams, degree):
+    """The SH kernels move coefficient sets through shared memory a block (128 threads) at a time:
+    fewer sets than a block, broadcast over cameras (a block's items wrap around the sets several
+    times), a count that leaves a partial last block, one set past a block. Colours and both
+    gradients against the twin in float64."""
+    g = torch.Generator().manual_seed(n_sets)
+    dirs = torch.randn(n_cams, n_sets, 3, generator=g)
+    coeffs = torch.randn(n_sets, 16, 3, generator=g)
+    d, c = dirs.to(cuda).requires_grad_(), coeffs.to(cuda).requires_grad_()
+    out = kernels.gaussians._sh(degree, d, c)
+    cot = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad((out * cot.to(cuda)).sum(), (d, c))
+    d64, c64 = dirs.double().requires_grad_(), coeffs.double().requires_grad_()
+    want_out = ref.spherical_harmonics_reference(degree, d64, c64)
+    want = torch.autograd.grad((want_out * cot.double()).sum(), (d64, c64))
+    _close(out, want_out, 1e-5, 1e-6, "colours")
+    _close(got[0], want[0], 1e-4, 1e-6, "d/ddirs")
     _close(got[1], want[1], 1e-4, 1e-6, "d/dcoeffs")
     assert (got[1][:, (degree + 1) ** 2:] == 0).all()
 

@@ -1,4 +1,4 @@
-"""The 3DGS kernels that need no thread cooperation, built for the host CPU (tests/_host_cuda.py) and
+"""The 3DGS kernels that do not work as warps, built for the host CPU (tests/_host_cuda.py) and
 run through the ops' CUDA path (kernels/_gs_cuda.py) on CPU tensors, against the twins.
 
 CI has no GPU, so without this the kernels' code ran only in the marked GPU tests, on the few
@@ -8,7 +8,7 @@ every commit: the GPU tests' own bodies from tests/test_gs_kernels.py, with the 
 tolerances, and ``kernels.gaussians`` sending CPU tensors down the CUDA path. What this cannot
 check is how the threads run together (a race, a missing atomic) and the GPU's own arithmetic
 (``__expf``, FMA contraction; the build here contracts nothing): the GPU tests stay for that. The
-radix sort and the blending synchronise their blocks and stay GPU-only.
+radix sort and the blending work as warps (shuffles, ballots) and stay GPU-only.
 """
 
 from __future__ import annotations
@@ -60,6 +60,12 @@ def test_projection_kernels_match_the_twin(host, host_programs, antialiased):
 @pytest.mark.parametrize("degree", [0, 1, 2, 3])
 def test_spherical_harmonics_kernels_match_the_twin(host, host_programs, degree):
     gpu_tests.test_spherical_harmonics_match_the_twin(host, degree)
+    assert {"sh_fwd", "sh_bwd"} <= set(host_programs["project"].launched)
+
+
+@pytest.mark.parametrize("n_sets, n_cams, degree", [(37, 5, 3), (300, 2, 1), (129, 1, 2)])
+def test_spherical_harmonics_kernels_stage_sets_across_blocks(host, host_programs, n_sets, n_cams, degree):
+    gpu_tests.test_spherical_harmonics_stage_sets_across_blocks(host, n_sets, n_cams, degree)
     assert {"sh_fwd", "sh_bwd"} <= set(host_programs["project"].launched)
 
 

@@ -323,22 +323,55 @@ __device__ __forceinline__ void gs_sh_basis(int degree, float x, float y, float 
   }
 }
 
+// The SH kernels run RF_SH_BLOCK threads a block and move coefficients between global memory and
+// a shared tile of one row per thread: a coefficient set is 3K consecutive floats (192 bytes at
+// degree 3), so a thread reading or writing its own set directly touches a different cache line
+// on every access of a warp. Through the tile the block's sets are read and written as one
+// contiguous run, and each thread works on its row. The row stride is 3K rounded up to odd, which
+// puts the rows of a warp's threads in different banks. Sets of K > 16 (coefficients past degree
+// 3, which no basis function reads) bypass the tile.
+#ifndef RF_SH_BLOCK
+#define RF_SH_BLOCK 128
+#endif
+#define RF_SH_STRIDE 49  // 3 * 16, made odd
+
+// Copies the first `used` floats of `rows` coefficient sets of 3K floats, sets first .. first +
+// rows - 1 (mod n_sets), from global memory into the tile: consecutive threads, consecutive floats.
+__device__ __forceinline__ void sh_stage_in(float* tile, const float* __restrict__ coeffs, long long first,
+                                            int rows, long long n_sets, int K, int used) {
+  const long long base = first % n_sets;
+  for (int t = threadIdx.x, n = rows * used; t < n; t += blockDim.x) {
+    const int r = t / used, j = t - r * used;
+    long long set = base + r;
+    if (set >= n_sets) set %= n_sets;  // a block across the end of the sets (broadcast over cameras)
+    tile[r * RF_SH_STRIDE + j] = coeffs[set * 3 * K + j];
+  }
+}
+
 // One thread per item: colours[i] = sum_k basis_k(dirs[i] / |dirs[i]|) coeffs[i % n_coeff_items, k].
 // n_coeff_items < items broadcasts one coefficient set over several cameras ([C, N] dirs, [N] sets).
 // The loops over the 16 basis functions are unrolled with a guard on the degree, so the basis stays
 // in registers (a loop to a runtime bound indexes it, which puts it in local memory).
-__global__ void sh_fwd(int degree, long long items, long long n_coeff_items, int K,
+__global__ void __launch_bounds__(RF_SH_BLOCK) sh_fwd(int degree, long long items, long long n_coeff_items, int K,
                        const float* __restrict__ dirs,     // [items, 3]
                        const float* __restrict__ coeffs,   // [n_coeff_items, K, 3]
                        float* __restrict__ colors) {       // [items, 3]
-  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  __shared__ float tile[RF_SH_BLOCK * RF_SH_STRIDE];
+  const long long first = (long long)blockIdx.x * blockDim.x;
+  const long long i = first + threadIdx.x;
+  const int nb = (degree + 1) * (degree + 1);
+  const bool staged = K <= 16;
+  if (staged) {  // every thread of the block takes part before any leaves
+    const int rows = (int)min((long long)blockDim.x, items - first);
+    sh_stage_in(tile, coeffs, first, rows, n_coeff_items, K, 3 * nb);
+    __syncthreads();
+  }
   if (i >= items) return;
   const float dx = dirs[3 * i], dy = dirs[3 * i + 1], dz = dirs[3 * i + 2];
   const float inv = rsqrtf(fmaxf(dx * dx + dy * dy + dz * dz, 1e-30f));
   float Y[16];
   gs_sh_basis(degree, dx * inv, dy * inv, dz * inv, Y, nullptr);
-  const float* c = coeffs + (i % n_coeff_items) * K * 3;
-  const int nb = (degree + 1) * (degree + 1);
+  const float* c = staged ? tile + threadIdx.x * RF_SH_STRIDE : coeffs + (i % n_coeff_items) * K * 3;
   float r = 0.f, g = 0.f, b = 0.f;
 #pragma unroll
   for (int k = 0; k < 16; ++k) {
@@ -357,20 +390,27 @@ __global__ void sh_fwd(int degree, long long items, long long n_coeff_items, int
 // (items / n_coeff_items cameras, item = camera * n_coeff_items + set), sums their v_coeffs in
 // registers and stores them once, so there are no atomics and no zero fill: every coefficient of
 // the set is written, those past the degree with 0. When v_dirs != nullptr, each item's direction
-// gradient goes through the normalisation.
-__global__ void sh_bwd(int degree, long long items, long long n_coeff_items, int K,
+// gradient goes through the normalisation (and reads the set's coefficients, staged in the tile).
+__global__ void __launch_bounds__(RF_SH_BLOCK) sh_bwd(int degree, long long items, long long n_coeff_items, int K,
                        const float* __restrict__ dirs, const float* __restrict__ coeffs,
                        const float* __restrict__ v_colors,   // [items, 3]
                        float* __restrict__ v_coeffs,         // [n_coeff_items, K, 3]
                        float* __restrict__ v_dirs) {         // [items, 3] or nullptr
-  const long long set = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (set >= n_coeff_items) return;
-  const float* c = coeffs + set * K * 3;
+  __shared__ float tile[RF_SH_BLOCK * RF_SH_STRIDE];
+  const long long first = (long long)blockIdx.x * blockDim.x;
+  const long long set = first + threadIdx.x;
+  const int rows = (int)min((long long)blockDim.x, n_coeff_items - first);
   const int nb = (degree + 1) * (degree + 1);
+  const bool staged = K <= 16;
+  if (staged && v_dirs != nullptr) {
+    sh_stage_in(tile, coeffs, first, rows, n_coeff_items, K, 3 * nb);
+    __syncthreads();
+  }
   float acc[16][3];
 #pragma unroll
   for (int k = 0; k < 16; ++k) acc[k][0] = acc[k][1] = acc[k][2] = 0.f;
-  for (long long i = set; i < items; i += n_coeff_items) {
+  const float* c = staged ? tile + threadIdx.x * RF_SH_STRIDE : coeffs + set * K * 3;
+  for (long long i = set; set < n_coeff_items && i < items; i += n_coeff_items) {
     const float dx = dirs[3 * i], dy = dirs[3 * i + 1], dz = dirs[3 * i + 2];
     const float inv = rsqrtf(fmaxf(dx * dx + dy * dy + dz * dz, 1e-30f));
     const float u[3] = {dx * inv, dy * inv, dz * inv};
@@ -396,13 +436,30 @@ __global__ void sh_bwd(int degree, long long items, long long n_coeff_items, int
       for (int j = 0; j < 3; ++j) v_dirs[3 * i + j] = (gu[j] - dot * u[j]) * inv;
     }
   }
-  float* vc = v_coeffs + set * K * 3;
+  if (!staged) {
+    if (set >= n_coeff_items) return;
+    float* vc = v_coeffs + set * K * 3;
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+#pragma unroll
+      for (int ch = 0; ch < 3; ++ch) vc[3 * k + ch] = acc[k][ch];
+    }
+    for (int k = 16; k < K; ++k) vc[3 * k] = vc[3 * k + 1] = vc[3 * k + 2] = 0.f;  // unused rows
+    return;
+  }
+  // through the tile: each thread its row (all K rows, zeros past the degree), then the block's
+  // sets out as one contiguous run of rows * 3K floats
+  if (v_dirs != nullptr) __syncthreads();  // done reading the coefficients
+  float* mine = tile + threadIdx.x * RF_SH_STRIDE;
 #pragma unroll
   for (int k = 0; k < 16; ++k) {
     if (k < K) {
 #pragma unroll
-      for (int ch = 0; ch < 3; ++ch) vc[3 * k + ch] = acc[k][ch];
+      for (int ch = 0; ch < 3; ++ch) mine[3 * k + ch] = acc[k][ch];
     }
   }
-  for (int k = 16; k < K; ++k) vc[3 * k] = vc[3 * k + 1] = vc[3 * k + 2] = 0.f;  // K > 16: unused rows
+  __syncthreads();
+  const int row = 3 * K;
+  float* out = v_coeffs + first * row;
+  for (int t = threadIdx.x, n = rows * row; t < n; t += blockDim.x) out[t] = tile[(t / row) * RF_SH_STRIDE + t % row];
 }
