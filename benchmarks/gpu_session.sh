@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. k; default a; each about 10 min)
-# Order for the next session (as of 2026-12-02 evening): j (the SH kernels' GPU tests and the rasterizer
-# table after them), k (30k lego both ways), then b and c (NeRF distortion loss), d and e (30k fox and fern).
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. l; default a; each about 10 min)
+# Order for the next session (as of 2026-12-03): c (fern distortion loss), d and e (30k fox and fern),
+# k (30k lego after the SH kernels); j and l ran 2026-12-03 (README "3D Gaussian Splatting"), b too.
 # Every step runs only when the call's deadline (LIMIT seconds from the start, default 585) leaves
 # it the seconds it asks for; each writes <step>.log and its JSON, and steps.log says what ran,
 # what was skipped and each exit code. They are written under /tmp/gpu_session/<part> and packed
@@ -128,6 +128,18 @@ k)
   step gs30k_lego_noreset 130 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 30000 --only rayforge \
     --set "densify={reset_every: 100000}" --json "$OUT/gs30k_lego_noreset.json"
   ;;
-*) echo "gpu_session: part must be one of a to k" >&2; exit 2 ;;
+l)
+  # issue 15: the SH kernels at three threads an item (no shared tile; the tile of 6ab5583 left
+  # sh_fwd at 3.2x and sh_bwd at 1.6x gsplat's at 3M): their GPU tests, then the rasterizer table
+  # (1M, 3M with the kernel profile, our trained lego at 7k)
+  step kernel_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gs_kernels.py \
+    tests/test_gs_raster.py tests/test_gs_graph.py
+  step raster 200 python3 benchmarks/bench_rasterizer.py --profile 10 --json "$OUT/rasterizer_H200.json"
+  step lego7k 60 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 7000 --only rayforge \
+    --save-ply "$OUT/ply" --json "$OUT/lego7k.json"
+  step raster_trained 60 python3 benchmarks/bench_rasterizer.py --sizes 1000000 --ply "$OUT/ply/lego_7000.ply" \
+    --json "$OUT/rasterizer_trained_H200.json"
+  ;;
+*) echo "gpu_session: part must be one of a to l" >&2; exit 2 ;;
 esac
 echo "== done"

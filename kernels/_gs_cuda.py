@@ -19,7 +19,7 @@ from ._driver import KernelProgram, f32, i32, i64, ptr
 from ._gs_reference import ALPHA_MAX, ALPHA_MIN, EXTEND, T_MIN, Projection, key_bits
 
 BLOCK = 256  # threads per block of the per-Gaussian and per-intersection kernels
-SH_BLOCK = 128  # threads per block of the SH kernels (csrc/gaussians_project.cu: a shared row per thread)
+SH_BLOCK = 192  # threads per block of the SH kernels (csrc/gaussians_project.cu: three per item, a multiple of 3)
 MAX_CHANNELS = 4  # rasterize kernels exist for 1..4 channels; more go through in chunks of 4
 DEFINES = {"RF_ALPHA_MIN": f"({ALPHA_MIN!r}f)", "RF_ALPHA_MAX": f"({ALPHA_MAX!r}f)",
            "RF_T_MIN": f"({T_MIN!r}f)", "RF_EXTEND": f"({EXTEND!r}f)", "RF_SH_BLOCK": str(SH_BLOCK)}
@@ -158,7 +158,7 @@ class _SH(torch.autograd.Function):
         out = torch.empty(*dirs.shape[:-1], 3, device=dirs.device)
         if items:
             program("project").launch(
-                "sh_fwd", _blocks(items, SH_BLOCK), (SH_BLOCK,),
+                "sh_fwd", _blocks(3 * items, SH_BLOCK), (SH_BLOCK,),
                 [(degree, i32), (items, i64), (sets, i64), (coeffs.shape[-2], i32), _p(dirs), _p(coeffs), _p(out)],
                 device=dirs.device)
         ctx.save_for_backward(dirs, coeffs)
@@ -170,13 +170,13 @@ class _SH(torch.autograd.Function):
     def backward(ctx, g_colors):
         dirs, coeffs = ctx.saved_tensors
         items, sets = dirs.numel() // 3, coeffs.numel() // (coeffs.shape[-2] * 3)
-        # one thread per coefficient set, which writes all of its set (and each item's v_dirs)
+        # one thread per (coefficient set, channel), which writes its channel of the set (and, for channel 0, each item's v_dirs)
         v_coeffs = torch.empty_like(coeffs) if items else torch.zeros_like(coeffs)
         v_dirs = torch.empty_like(dirs) if ctx.needs_input_grad[0] else None
         g_colors = g_colors.to(torch.float32).contiguous()
         if items:
             program("project").launch(
-                "sh_bwd", _blocks(sets, SH_BLOCK), (SH_BLOCK,),
+                "sh_bwd", _blocks(3 * sets, SH_BLOCK), (SH_BLOCK,),
                 [(ctx.degree, i32), (items, i64), (sets, i64), (coeffs.shape[-2], i32), _p(dirs), _p(coeffs),
                  _p(g_colors), _p(v_coeffs), _p(v_dirs)],
                 device=dirs.device)

@@ -195,12 +195,12 @@ def test_spherical_harmonics_match_the_twin(cuda, degree):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("n_sets, n_cams, degree", [(37, 5, 3), (300, 2, 1), (129, 1, 2)])
-def test_spherical_harmonics_stage_sets_across_blocks(cuda, n_sets, n_cams, degree):
-    """The SH kernels move coefficient sets through shared memory a block (128 threads) at a time:
-    fewer sets than a block, broadcast over cameras (a block's items wrap around the sets several
-    times), a count that leaves a partial last block, one set past a block. Colours and both
-    gradients against the twin in float64."""
+@pytest.mark.parametrize("n_sets, n_cams, degree", [(37, 5, 3), (300, 2, 1), (65, 1, 2)])
+def test_spherical_harmonics_across_blocks(cuda, n_sets, n_cams, degree):
+    """The SH kernels run three threads an item in blocks of 192 (64 items), and sh_bwd sums an
+    item's direction gradient over its threads in shared memory: fewer sets than a block,
+    broadcast over cameras (sh_bwd loops over them), a count that leaves a partial last block, one
+    set past a block. Colours and both gradients against the twin in float64."""
     g = torch.Generator().manual_seed(n_sets)
     dirs = torch.randn(n_cams, n_sets, 3, generator=g)
     coeffs = torch.randn(n_sets, 16, 3, generator=g)

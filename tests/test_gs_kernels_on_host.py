@@ -63,9 +63,9 @@ def test_spherical_harmonics_kernels_match_the_twin(host, host_programs, degree)
     assert {"sh_fwd", "sh_bwd"} <= set(host_programs["project"].launched)
 
 
-@pytest.mark.parametrize("n_sets, n_cams, degree", [(37, 5, 3), (300, 2, 1), (129, 1, 2)])
-def test_spherical_harmonics_kernels_stage_sets_across_blocks(host, host_programs, n_sets, n_cams, degree):
-    gpu_tests.test_spherical_harmonics_stage_sets_across_blocks(host, n_sets, n_cams, degree)
+@pytest.mark.parametrize("n_sets, n_cams, degree", [(37, 5, 3), (300, 2, 1), (65, 1, 2)])
+def test_spherical_harmonics_kernels_across_blocks(host, host_programs, n_sets, n_cams, degree):
+    gpu_tests.test_spherical_harmonics_across_blocks(host, n_sets, n_cams, degree)
     assert {"sh_fwd", "sh_bwd"} <= set(host_programs["project"].launched)
 
 
@@ -81,7 +81,7 @@ def test_exact_binning_kernels_drop_only_tiles_alpha_cannot_reach(host):
 
 
 def test_sh_backward_writes_every_coefficient_and_no_unasked_direction(host):
-    """sh_bwd runs one thread per coefficient set and writes its whole set, those past the degree
+    """sh_bwd runs three threads per coefficient set and writes the whole set, those past the degree
     and past 16 rows with 0 (its buffer is not zero-filled), and v_dirs only when asked for."""
     g = torch.Generator().manual_seed(4)
     dirs = torch.randn(2, 50, 3, generator=g)

@@ -323,32 +323,20 @@ __device__ __forceinline__ void gs_sh_basis(int degree, float x, float y, float 
   }
 }
 
-// The SH kernels run RF_SH_BLOCK threads a block and move coefficients between global memory and
-// a shared tile of one row per thread: a coefficient set is 3K consecutive floats (192 bytes at
-// degree 3), so a thread reading or writing its own set directly touches a different cache line
-// on every access of a warp. Through the tile the block's sets are read and written as one
-// contiguous run, and each thread works on its row. The row stride is 3K rounded up to odd, which
-// puts the rows of a warp's threads in different banks. Sets of K > 16 (coefficients past degree
-// 3, which no basis function reads) bypass the tile.
+// The SH kernels run one thread per (item, channel): grid thread t takes item t / 3 and channel
+// t % 3. A coefficient set is 3K consecutive floats (192 bytes at degree 3); the three threads of
+// an item read its set at offsets ch, ch + 3, ..., so a warp's loads of one basis function fall on
+// the ~11 sets it covers, and the loads of the next functions hit the same cache lines. One thread
+// per item instead (each reading its whole set) touches a cache line per thread per load, and
+// staging the sets through shared memory capped the blocks an SM holds (both measured slower on
+// the H200, benchmarks/bench_rasterizer.py --profile). Blocks are a multiple of 3 threads, so an
+// item's three threads share a block (sh_bwd sums their direction gradients in shared memory).
 #ifndef RF_SH_BLOCK
-#define RF_SH_BLOCK 128
+#define RF_SH_BLOCK 192
 #endif
-#define RF_SH_STRIDE 49  // 3 * 16, made odd
+static_assert(RF_SH_BLOCK % 3 == 0, "an item's three channel threads must share a block");
 
-// Copies the first `used` floats of `rows` coefficient sets of 3K floats, sets first .. first +
-// rows - 1 (mod n_sets), from global memory into the tile: consecutive threads, consecutive floats.
-__device__ __forceinline__ void sh_stage_in(float* tile, const float* __restrict__ coeffs, long long first,
-                                            int rows, long long n_sets, int K, int used) {
-  const long long base = first % n_sets;
-  for (int t = threadIdx.x, n = rows * used; t < n; t += blockDim.x) {
-    const int r = t / used, j = t - r * used;
-    long long set = base + r;
-    if (set >= n_sets) set %= n_sets;  // a block across the end of the sets (broadcast over cameras)
-    tile[r * RF_SH_STRIDE + j] = coeffs[set * 3 * K + j];
-  }
-}
-
-// One thread per item: colours[i] = sum_k basis_k(dirs[i] / |dirs[i]|) coeffs[i % n_coeff_items, k].
+// colors[i, ch] = sum_k basis_k(dirs[i] / |dirs[i]|) coeffs[i % n_coeff_items, k, ch].
 // n_coeff_items < items broadcasts one coefficient set over several cameras ([C, N] dirs, [N] sets).
 // The loops over the 16 basis functions are unrolled with a guard on the degree, so the basis stays
 // in registers (a loop to a runtime bound indexes it, which puts it in local memory).
@@ -356,110 +344,86 @@ __global__ void __launch_bounds__(RF_SH_BLOCK) sh_fwd(int degree, long long item
                        const float* __restrict__ dirs,     // [items, 3]
                        const float* __restrict__ coeffs,   // [n_coeff_items, K, 3]
                        float* __restrict__ colors) {       // [items, 3]
-  __shared__ float tile[RF_SH_BLOCK * RF_SH_STRIDE];
-  const long long first = (long long)blockIdx.x * blockDim.x;
-  const long long i = first + threadIdx.x;
+  const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= 3 * items) return;
+  const long long i = t / 3;
+  const int ch = (int)(t - 3 * i);
   const int nb = (degree + 1) * (degree + 1);
-  const bool staged = K <= 16;
-  if (staged) {  // every thread of the block takes part before any leaves
-    const int rows = (int)min((long long)blockDim.x, items - first);
-    sh_stage_in(tile, coeffs, first, rows, n_coeff_items, K, 3 * nb);
-    __syncthreads();
-  }
-  if (i >= items) return;
   const float dx = dirs[3 * i], dy = dirs[3 * i + 1], dz = dirs[3 * i + 2];
   const float inv = rsqrtf(fmaxf(dx * dx + dy * dy + dz * dz, 1e-30f));
   float Y[16];
   gs_sh_basis(degree, dx * inv, dy * inv, dz * inv, Y, nullptr);
-  const float* c = staged ? tile + threadIdx.x * RF_SH_STRIDE : coeffs + (i % n_coeff_items) * K * 3;
-  float r = 0.f, g = 0.f, b = 0.f;
+  const float* c = coeffs + (i % n_coeff_items) * K * 3 + ch;
+  float sum = 0.f;
 #pragma unroll
   for (int k = 0; k < 16; ++k) {
-    if (k < nb) {
-      r += Y[k] * c[3 * k];
-      g += Y[k] * c[3 * k + 1];
-      b += Y[k] * c[3 * k + 2];
-    }
+    if (k < nb) sum += Y[k] * c[3 * k];
   }
-  colors[3 * i] = r;
-  colors[3 * i + 1] = g;
-  colors[3 * i + 2] = b;
+  colors[t] = sum;  // = colors[3 * i + ch]
 }
 
-// Backward of sh_fwd, one thread per coefficient set: it walks the items that share the set
-// (items / n_coeff_items cameras, item = camera * n_coeff_items + set), sums their v_coeffs in
-// registers and stores them once, so there are no atomics and no zero fill: every coefficient of
-// the set is written, those past the degree with 0. When v_dirs != nullptr, each item's direction
-// gradient goes through the normalisation (and reads the set's coefficients, staged in the tile).
+// Backward of sh_fwd, one thread per (coefficient set, channel): it walks the items that share the
+// set (items / n_coeff_items cameras, item = camera * n_coeff_items + set), sums its channel's
+// v_coeffs in registers and stores them once, so there are no atomics and no zero fill: every
+// coefficient of the set is written, those past the degree with 0. When v_dirs != nullptr, each
+// item's direction gradient is the sum of its three channel threads' parts (through shared memory,
+// so every thread of the block runs every camera's iteration), then goes through the normalisation.
 __global__ void __launch_bounds__(RF_SH_BLOCK) sh_bwd(int degree, long long items, long long n_coeff_items, int K,
                        const float* __restrict__ dirs, const float* __restrict__ coeffs,
                        const float* __restrict__ v_colors,   // [items, 3]
                        float* __restrict__ v_coeffs,         // [n_coeff_items, K, 3]
                        float* __restrict__ v_dirs) {         // [items, 3] or nullptr
-  __shared__ float tile[RF_SH_BLOCK * RF_SH_STRIDE];
-  const long long first = (long long)blockIdx.x * blockDim.x;
-  const long long set = first + threadIdx.x;
-  const int rows = (int)min((long long)blockDim.x, n_coeff_items - first);
+  __shared__ float part[RF_SH_BLOCK * 3];
+  const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long set = t / 3;
+  const int ch = (int)(t - 3 * set);
+  const bool live = set < n_coeff_items;
   const int nb = (degree + 1) * (degree + 1);
-  const bool staged = K <= 16;
-  if (staged && v_dirs != nullptr) {
-    sh_stage_in(tile, coeffs, first, rows, n_coeff_items, K, 3 * nb);
-    __syncthreads();
-  }
-  float acc[16][3];
+  const long long cams = items / n_coeff_items;
+  float c[16];  // this channel of the set's coefficients, read once for all cameras
 #pragma unroll
-  for (int k = 0; k < 16; ++k) acc[k][0] = acc[k][1] = acc[k][2] = 0.f;
-  const float* c = staged ? tile + threadIdx.x * RF_SH_STRIDE : coeffs + set * K * 3;
-  for (long long i = set; set < n_coeff_items && i < items; i += n_coeff_items) {
-    const float dx = dirs[3 * i], dy = dirs[3 * i + 1], dz = dirs[3 * i + 2];
-    const float inv = rsqrtf(fmaxf(dx * dx + dy * dy + dz * dz, 1e-30f));
-    const float u[3] = {dx * inv, dy * inv, dz * inv};
-    float Y[16], dY[16][3];  // dY always: a conditional pointer to it would put it in local memory
-    gs_sh_basis(degree, u[0], u[1], u[2], Y, dY);
-    const float g[3] = {v_colors[3 * i], v_colors[3 * i + 1], v_colors[3 * i + 2]};
-    float gu[3] = {0.f, 0.f, 0.f};
+  for (int k = 0; k < 16; ++k) c[k] = (live && v_dirs != nullptr && k < nb) ? coeffs[set * K * 3 + 3 * k + ch] : 0.f;
+  float acc[16];
 #pragma unroll
-    for (int k = 0; k < 16; ++k) {
-      if (k < nb) {
+  for (int k = 0; k < 16; ++k) acc[k] = 0.f;
+  for (long long cam = 0; cam < cams; ++cam) {
+    const long long i = cam * n_coeff_items + set;
+    float u[3] = {0.f, 0.f, 0.f}, gu[3] = {0.f, 0.f, 0.f}, inv = 0.f;
+    if (live) {
+      const float dx = dirs[3 * i], dy = dirs[3 * i + 1], dz = dirs[3 * i + 2];
+      inv = rsqrtf(fmaxf(dx * dx + dy * dy + dz * dz, 1e-30f));
+      u[0] = dx * inv; u[1] = dy * inv; u[2] = dz * inv;
+      float Y[16], dY[16][3];  // dY always: a conditional pointer to it would put it in local memory
+      gs_sh_basis(degree, u[0], u[1], u[2], Y, dY);
+      const float g = v_colors[3 * i + ch];
 #pragma unroll
-        for (int ch = 0; ch < 3; ++ch) acc[k][ch] += Y[k] * g[ch];
-        if (v_dirs != nullptr) {
-          const float cg = c[3 * k] * g[0] + c[3 * k + 1] * g[1] + c[3 * k + 2] * g[2];
+      for (int k = 0; k < 16; ++k) {
+        if (k < nb) {
+          acc[k] += Y[k] * g;
 #pragma unroll
-          for (int j = 0; j < 3; ++j) gu[j] += cg * dY[k][j];
+          for (int j = 0; j < 3; ++j) gu[j] += c[k] * g * dY[k][j];
         }
       }
     }
-    if (v_dirs != nullptr) {  // u = d / |d|: dL/dd = (gu - (gu . u) u) / |d|
-      const float dot = gu[0] * u[0] + gu[1] * u[1] + gu[2] * u[2];
+    if (v_dirs != nullptr) {  // the same for the whole block
 #pragma unroll
-      for (int j = 0; j < 3; ++j) v_dirs[3 * i + j] = (gu[j] - dot * u[j]) * inv;
+      for (int j = 0; j < 3; ++j) part[3 * threadIdx.x + j] = gu[j];
+      __syncthreads();
+      if (live && ch == 0) {  // u = d / |d|: dL/dd = (gu - (gu . u) u) / |d|
+        const float* p = part + 3 * threadIdx.x;  // this item's three threads, 9 floats
+        const float s[3] = {p[0] + p[3] + p[6], p[1] + p[4] + p[7], p[2] + p[5] + p[8]};
+        const float dot = s[0] * u[0] + s[1] * u[1] + s[2] * u[2];
+#pragma unroll
+        for (int j = 0; j < 3; ++j) v_dirs[3 * i + j] = (s[j] - dot * u[j]) * inv;
+      }
+      __syncthreads();
     }
   }
-  if (!staged) {
-    if (set >= n_coeff_items) return;
-    float* vc = v_coeffs + set * K * 3;
-#pragma unroll
-    for (int k = 0; k < 16; ++k) {
-#pragma unroll
-      for (int ch = 0; ch < 3; ++ch) vc[3 * k + ch] = acc[k][ch];
-    }
-    for (int k = 16; k < K; ++k) vc[3 * k] = vc[3 * k + 1] = vc[3 * k + 2] = 0.f;  // unused rows
-    return;
-  }
-  // through the tile: each thread its row (all K rows, zeros past the degree), then the block's
-  // sets out as one contiguous run of rows * 3K floats
-  if (v_dirs != nullptr) __syncthreads();  // done reading the coefficients
-  float* mine = tile + threadIdx.x * RF_SH_STRIDE;
+  if (!live) return;
+  float* vc = v_coeffs + set * K * 3 + ch;
 #pragma unroll
   for (int k = 0; k < 16; ++k) {
-    if (k < K) {
-#pragma unroll
-      for (int ch = 0; ch < 3; ++ch) mine[3 * k + ch] = acc[k][ch];
-    }
+    if (k < K) vc[3 * k] = acc[k];  // 0 past the degree
   }
-  __syncthreads();
-  const int row = 3 * K;
-  float* out = v_coeffs + first * row;
-  for (int t = threadIdx.x, n = rows * row; t < n; t += blockDim.x) out[t] = tile[(t / row) * RF_SH_STRIDE + t % row];
+  for (int k = 16; k < K; ++k) vc[3 * k] = 0.f;  // unused rows
 }
