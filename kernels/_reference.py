@@ -221,16 +221,30 @@ def march_rays_reference(origins: torch.Tensor, dirs: torch.Tensor, jitter: torc
     return ray, t[ray, k], pts[ray, k], offsets, counts, None if step is None else step[ray, k]
 
 
+def distortion_reference(w: torch.Tensor, t: torch.Tensor, dt) -> torch.Tensor:
+    """Each ray's distortion (mip-NeRF 360, Barron et al. 2022, eq. 15) [R] from dense weights ``w``
+    [R, S] (0 where a sample is not taken), midpoints ``t`` [R, S] and the step ``dt`` (a number or
+    [R, S]): ``sum_ij w_i w_j |t_i - t_j| + 1/3 sum_i w_i^2 dt_i``, in O(S) a ray as
+    ``sum_i 2 w_i (t_i W_i - U_i)`` with ``W_i``, ``U_i`` the sums of ``w_j`` and ``w_j t_j`` before
+    ``i`` (t ascending), in float64."""
+    w64, t64 = w.double(), t.double()
+    dt64 = dt.double() if isinstance(dt, torch.Tensor) else dt
+    cw, cwt = torch.cumsum(w64, 1) - w64, torch.cumsum(w64 * t64, 1) - w64 * t64
+    return (2.0 * w64 * (t64 * cw - cwt) + w64 * w64 * dt64 / 3.0).sum(1).to(w.dtype)
+
+
 def composite_reference(sigma: torch.Tensor, rgb: torch.Tensor, t: torch.Tensor, offsets: torch.Tensor,
-                        counts: torch.Tensor, dt: float | torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        counts: torch.Tensor, dt: float | torch.Tensor, distortion: bool = False
+                        ) -> tuple[torch.Tensor, ...]:
     """Front-to-back alpha compositing of packed samples (ray i: ``offsets[i] ..`` ``counts[i]`` of
     them): alpha = 1 - exp(-sigma dt), w_i = alpha_i prod_{j<i} (1 - alpha_j + 1e-10); ``dt`` one
     step for all samples or one per sample [S].
 
     Returns:
-        color [R, 3] (sum w rgb, no background), opacity [R] (sum w), depth [R] (sum w t);
-        differentiable in ``sigma`` and ``rgb``.
+        color [R, 3] (sum w rgb, no background), opacity [R] (sum w), depth [R] (sum w t), and with
+        ``distortion`` each ray's distortion [R] (:func:`distortion_reference` of its weights);
+        differentiable in ``sigma`` and ``rgb``. Rays are composited in a dense [R, longest ray]
+        layout, so one ray's values never mix into another's sums.
     """
     R = counts.shape[0]
     cnt = counts.long()
@@ -246,7 +260,8 @@ def composite_reference(sigma: torch.Tensor, rgb: torch.Tensor, t: torch.Tensor,
     alpha = 1.0 - torch.exp(-dense_sigma * dt)
     trans = torch.cumprod(torch.cat([torch.ones_like(alpha[:, :1]), 1.0 - alpha + 1e-10], dim=1), dim=1)[:, :-1]
     w = alpha * trans
-    return (w[..., None] * dense_rgb).sum(dim=1), w.sum(dim=1), (w * dense_t).sum(dim=1)
+    out = (w[..., None] * dense_rgb).sum(dim=1), w.sum(dim=1), (w * dense_t).sum(dim=1)
+    return (*out, distortion_reference(w, dense_t, dt)) if distortion else out
 
 
 # ---------------------------------------------------------------- optimiser (csrc/adam.cu)

@@ -167,32 +167,37 @@ def march_rays(origins: torch.Tensor, dirs: torch.Tensor, jitter: torch.Tensor, 
 
 class _Composite(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, sigma, rgb, t, offsets, counts, dt, steps):
+    def forward(ctx, sigma, rgb, t, offsets, counts, dt, steps, with_distortion):
         R = counts.shape[0]
         dev = sigma.device
         color = torch.empty(R, 3, dtype=torch.float32, device=dev)
         opacity = torch.empty(R, dtype=torch.float32, device=dev)
         depth = torch.empty(R, dtype=torch.float32, device=dev)
+        dist = torch.empty(R, dtype=torch.float32, device=dev) if with_distortion else None
         if R:
             program().launch("composite_fwd", (-(-R // BLOCK_SIZE),), (BLOCK_SIZE,),
                              [(sigma.data_ptr(), ptr), (rgb.data_ptr(), ptr), (t.data_ptr(), ptr),
                               (offsets.data_ptr(), ptr), (counts.data_ptr(), ptr), (float(dt), f32),
                               (0 if steps is None else steps.data_ptr(), ptr), (R, u32),
-                              (color.data_ptr(), ptr), (opacity.data_ptr(), ptr), (depth.data_ptr(), ptr)],
+                              (color.data_ptr(), ptr), (opacity.data_ptr(), ptr), (depth.data_ptr(), ptr),
+                              (0 if dist is None else dist.data_ptr(), ptr)],
                              device=dev)
-        ctx.save_for_backward(sigma, rgb, t, offsets, counts, steps)
+        ctx.save_for_backward(sigma, rgb, t, offsets, counts, steps, opacity, depth)
         ctx.dt = dt
-        return color, opacity, depth
+        if dist is None:
+            return color, opacity, depth
+        return color, opacity, depth, dist
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, g_color, g_opacity, g_depth):
-        sigma, rgb, t, offsets, counts, steps = ctx.saved_tensors
+    def backward(ctx, g_color, g_opacity, g_depth, g_dist=None):
+        sigma, rgb, t, offsets, counts, steps, opacity, depth = ctx.saved_tensors
         R = counts.shape[0]
         dev = sigma.device
         g_color = torch.zeros(R, 3, device=dev) if g_color is None else g_color.float().contiguous()
         g_opacity = torch.zeros(R, device=dev) if g_opacity is None else g_opacity.float().contiguous()
         g_depth = torch.zeros(R, device=dev) if g_depth is None else g_depth.float().contiguous()
+        g_dist = None if g_dist is None else g_dist.float().contiguous()
         g_sigma = torch.zeros_like(sigma)
         g_rgb = torch.zeros_like(rgb)
         if R:
@@ -201,13 +206,15 @@ class _Composite(torch.autograd.Function):
                               (offsets.data_ptr(), ptr), (counts.data_ptr(), ptr), (float(ctx.dt), f32),
                               (0 if steps is None else steps.data_ptr(), ptr), (R, u32),
                               (g_color.data_ptr(), ptr), (g_opacity.data_ptr(), ptr), (g_depth.data_ptr(), ptr),
+                              (0 if g_dist is None else g_dist.data_ptr(), ptr),
+                              (opacity.data_ptr(), ptr), (depth.data_ptr(), ptr),
                               (g_sigma.data_ptr(), ptr), (g_rgb.data_ptr(), ptr)], device=dev)
-        return g_sigma, g_rgb, None, None, None, None, None
+        return g_sigma, g_rgb, None, None, None, None, None, None
 
 
 def composite(sigma: torch.Tensor, rgb: torch.Tensor, t: torch.Tensor, offsets: torch.Tensor,
-              counts: torch.Tensor, dt: float, *, steps: torch.Tensor | None = None,
-              use_kernels: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              counts: torch.Tensor, dt: float, *, steps: torch.Tensor | None = None, distortion: bool = False,
+              use_kernels: bool | None = None) -> tuple[torch.Tensor, ...]:
     """Front-to-back alpha compositing of packed samples (see :class:`Samples`).
 
     ``alpha_i = 1 - exp(-sigma_i dt)``, ``w_i = alpha_i prod_{j<i} (1 - alpha_j + 1e-10)``.
@@ -216,10 +223,14 @@ def composite(sigma: torch.Tensor, rgb: torch.Tensor, t: torch.Tensor, offsets: 
         sigma: [S] float32 densities; rgb: [S, 3] float32 colours; t: [S] float32 distances.
         offsets: [R] int64, counts: [R] int32 (from :func:`march_rays`).
         dt: the march step; steps: [S] float32 step of each sample instead (``Samples.steps``).
+        distortion: also each ray's distortion (mip-NeRF 360, eq. 15), ``sum_ij w_i w_j |t_i - t_j| +
+            1/3 sum_i w_i^2 dt_i``, computed in the same pass over the samples, ray by ray
+            (``_reference.distortion_reference`` is the formula).
 
     Returns:
         color [R, 3] = sum w rgb (the caller adds ``(1 - opacity) * background``), opacity [R] = sum w,
-        depth [R] = sum w t; differentiable in ``sigma`` and ``rgb``.
+        depth [R] = sum w t, and with ``distortion`` the distortion [R]; differentiable in ``sigma``
+        and ``rgb``.
     """
     dev = sigma.device
     _check("sigma", sigma, (None,), torch.float32, dev)
@@ -231,6 +242,8 @@ def composite(sigma: torch.Tensor, rgb: torch.Tensor, t: torch.Tensor, offsets: 
     if steps is not None:
         _check("steps", steps, (S,), torch.float32, dev)
     if not _use_kernels(dev, use_kernels):
-        return composite_reference(sigma, rgb, t, offsets, counts, dt if steps is None else steps)
+        return composite_reference(sigma, rgb, t, offsets, counts, dt if steps is None else steps,
+                                   distortion=distortion)
     return _Composite.apply(sigma.contiguous(), rgb.contiguous(), t.contiguous(), offsets.contiguous(),
-                            counts.contiguous(), float(dt), None if steps is None else steps.contiguous())
+                            counts.contiguous(), float(dt), None if steps is None else steps.contiguous(),
+                            bool(distortion))

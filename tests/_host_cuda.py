@@ -35,6 +35,7 @@ from kernels._driver import KernelProgram, packed_args
 CXX = shutil.which("g++") or shutil.which("clang++")
 
 SHIM = r"""
+#define RF_HOST_BUILD 1
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -83,6 +84,8 @@ static inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c);
 static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 static inline int __float_as_int(float f) { int i; memcpy(&i, &f, 4); return i; }
+static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
+static inline float __fsqrt_rn(float x) { return sqrtf(x); }
 template <typename T> static inline T atomicAdd(T* p, T v) { const T old = *p; *p = old + v; return old; }
 template <typename T> static inline T atomicOr(T* p, T v) { const T old = *p; *p = old | v; return old; }
 template <typename T> static inline T atomicMax(T* p, T v) { const T old = *p; if (v > old) *p = v; return old; }

@@ -2,10 +2,12 @@
 ``sum_ij w_i w_j |t_i - t_j| + 1/3 sum_i w_i^2 dt_i``, which is small when a ray's weight sits in
 one short stretch and large when it is spread out (floaters in front of the surface, fog).
 
-CPU: the O(n) prefix-sum form on packed samples is the pairwise double sum, ray by ray (empty rays,
-padding rows past a budget included), the packed and dense layouts agree, the gradient reaches the
-densities, the loss is off by default (the training loss is then the MSE itself), and training
-with it concentrates each ray's weight.
+CPU: the single-pass form of the compositing twin (``kernels.composite_reference(distortion=True)``)
+is the pairwise double sum, ray by ray (empty rays, padding rows past a budget included), its
+gradient reaches the densities, a ray whose optical depth overflows leaves the others alone, the
+loss is off by default (the training loss is then the MSE itself), and training with it
+concentrates each ray's weight. The kernels against the twin: tests/test_render_kernels.py (GPU)
+and tests/test_render_kernels_on_host.py (their host build).
 """
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import pytest
 import torch
 
 from stages.reconstruct.data import RaySampler
-from stages.reconstruct.nerf.render import distortion_dense, distortion_packed, packed_weights, render_rays
+import kernels
+from kernels._reference import distortion_reference
+from stages.reconstruct.nerf.render import render_rays
 
 from conftest import requires_gpu
 from test_nerf_training import _method, _scene, _train
@@ -24,68 +28,79 @@ def _packed(counts: list[int], seed: int = 0, pad: int = 0):
     g = torch.Generator().manual_seed(seed)
     counts_t = torch.tensor(counts, dtype=torch.int32)
     offsets = torch.cumsum(counts_t.long(), 0) - counts_t.long()
-    ray_index = torch.repeat_interleave(torch.arange(len(counts)), counts_t.long())
     t = torch.cat([torch.sort(torch.rand(c, generator=g, dtype=torch.float64) * 2)[0] for c in counts])
     steps = torch.rand(t.shape[0], generator=g, dtype=torch.float64) * 0.1 + 0.01
     sigma = torch.rand(t.shape[0], generator=g, dtype=torch.float64) * 5
-    if pad:  # rows past the last sample, as a fixed budget leaves them: ray 0, t 0, sigma of whatever
-        ray_index = torch.cat([ray_index, torch.zeros(pad, dtype=torch.int64)])
+    if pad:  # rows past the last sample, as a fixed budget leaves them: t 0, sigma of whatever
         t, steps = torch.cat([t, t.new_zeros(pad)]), torch.cat([steps, steps.new_full((pad,), 0.05)])
         sigma = torch.cat([sigma, sigma.new_full((pad,), 3.0)])
-    return sigma, t, steps, ray_index, offsets, counts_t
+    rgb = torch.rand(t.shape[0], 3, generator=g, dtype=torch.float64)
+    return sigma, rgb, t, steps, offsets, counts_t
 
 
 def _by_hand(sigma, t, steps):
-    """One ray: weights w_i = (1 - exp(-sigma_i dt_i)) prod_{j<i} exp(-sigma_j dt_j) and the double sum."""
-    x = sigma * steps
-    trans = torch.exp(-torch.cat([x.new_zeros(1), torch.cumsum(x, 0)[:-1]]))
-    w = -torch.expm1(-x) * trans
+    """One ray: the compositing weights w_i = alpha_i prod_{j<i} (1 - alpha_j + 1e-10) and the double sum."""
+    alpha = -torch.expm1(-sigma * steps)
+    trans = torch.cumprod(torch.cat([alpha.new_ones(1), 1.0 - alpha[:-1] + 1e-10]), 0)
+    w = alpha * trans
     pair = (w[:, None] * w[None, :] * (t[:, None] - t[None, :]).abs()).sum()
     return w, pair + (w * w * steps).sum() / 3.0
 
 
 @pytest.mark.parametrize("pad", [0, 7])
-def test_the_prefix_sum_form_is_the_pairwise_sum_ray_by_ray(pad):
+def test_the_single_pass_form_is_the_pairwise_sum_ray_by_ray(pad):
     counts = [3, 0, 5, 1, 4, 9]
-    sigma, t, steps, ray_index, offsets, counts_t = _packed(counts, pad=pad)
-    w, inside = packed_weights(sigma, steps, ray_index, offsets, counts_t)
-    assert int(inside.sum()) == sum(counts) and not inside[sum(counts):].any()
-    assert (w[sum(counts):] == 0).all()  # padding rows weigh nothing
-    per_ray = distortion_packed(w, t, steps, ray_index, offsets, len(counts))
+    sigma, rgb, t, steps, offsets, counts_t = _packed(counts, pad=pad)
+    _, opacity, _, per_ray = kernels.composite_reference(sigma, rgb, t, offsets, counts_t, steps, distortion=True)
     for r, c in enumerate(counts):
         rows = slice(int(offsets[r]), int(offsets[r]) + c)
         if c == 0:
             assert float(per_ray[r]) == 0.0
             continue
         w_r, want = _by_hand(sigma[rows], t[rows], steps[rows])
-        torch.testing.assert_close(w[rows], w_r)
+        torch.testing.assert_close(opacity[r], w_r.sum())
         torch.testing.assert_close(per_ray[r], want)
 
 
 def test_the_gradient_reaches_the_densities():
-    sigma, t, steps, ray_index, offsets, counts = _packed([4, 2, 6], seed=1)
+    sigma, rgb, t, steps, offsets, counts = _packed([4, 2, 6], seed=1)
     sigma.requires_grad_()
 
     def loss(s):
-        return distortion_packed(packed_weights(s, steps, ray_index, offsets, counts)[0], t, steps, ray_index,
-                                 offsets, 3)
+        return kernels.composite_reference(s, rgb, t, offsets, counts, steps, distortion=True)[3]
 
     assert torch.autograd.gradcheck(loss, (sigma,))
 
 
-def test_dense_rows_give_the_packed_result():
-    counts = [3, 0, 5, 2]
-    sigma, t, steps, ray_index, offsets, counts_t = _packed(counts, seed=2)
-    w, _ = packed_weights(sigma, steps, ray_index, offsets, counts_t)
-    packed = distortion_packed(w, t, steps, ray_index, offsets, len(counts))
-    width = max(counts)
-    W, T, D = (torch.zeros(len(counts), width, dtype=torch.float64) for _ in range(3))
-    for r, c in enumerate(counts):  # invalid dense samples have weight 0 and any t
-        rows = slice(int(offsets[r]), int(offsets[r]) + c)
-        W[r, :c], T[r, :c], D[r, :c] = w[rows], t[rows], steps[rows]
-        T[r, c:] = 9.0
-    torch.testing.assert_close(distortion_dense(W, T, D), packed)
-    torch.testing.assert_close(distortion_dense(W, T, 0.05), distortion_dense(W, T, torch.full_like(T, 0.05)))
+def test_a_saturated_ray_leaves_the_others_alone():
+    """One ray whose optical depth overflows (a density of 1e38, or inf) composites to its first
+    sample and has finite distortion and gradients; the other rays get what they get without it. (The
+    earlier packed form summed optical depths over all rays of a batch, so one such ray turned every
+    later ray's weights into inf - inf: fern diverged with the term on, 2026-12-03.)"""
+    sigma, rgb, t, steps, offsets, counts = _packed([3, 5, 4, 6], seed=3)
+    sigma, rgb, t, steps = sigma.float(), rgb.float(), t.float(), steps.float()
+    for big in (1e38, float("inf")):
+        hot = sigma.clone()
+        hot[3:8] = big  # every sample of ray 1
+        hot.requires_grad_()
+        out = kernels.composite(hot, rgb, t, offsets, counts, 0.0, steps=steps, distortion=True)
+        grad, = torch.autograd.grad(sum(o.sum() for o in out), hot)
+        assert all(bool(torch.isfinite(o).all()) for o in out) and bool(torch.isfinite(grad).all())
+        torch.testing.assert_close(out[1][1], torch.tensor(1.0))  # opaque at its first sample
+        cold = kernels.composite(sigma, rgb, t, offsets, counts, 0.0, steps=steps, distortion=True)
+        for o_hot, o_cold in zip(out, cold):
+            torch.testing.assert_close(o_hot[[0, 2, 3]], o_cold[[0, 2, 3]])
+
+
+def test_dense_weights_of_no_sample_add_nothing():
+    g = torch.Generator().manual_seed(2)
+    W, T = torch.rand(4, 6, generator=g, dtype=torch.float64), torch.rand(4, 6, generator=g, dtype=torch.float64)
+    T = T.sort(1).values
+    W[:, 4:] = 0.0
+    want = distortion_reference(W[:, :4], T[:, :4], 0.05)
+    T[:, 4:] = 9.0  # invalid dense samples: weight 0, any t
+    torch.testing.assert_close(distortion_reference(W, T, 0.05), want)
+    torch.testing.assert_close(distortion_reference(W, T, 0.05), distortion_reference(W, T, torch.full_like(T, 0.05)))
 
 
 def test_off_by_default_and_a_term_of_the_loss_when_on():

@@ -68,12 +68,14 @@ def test_fused_render_matches_the_dense_renderer_values_and_gradients():
         field.zero_grad()
         gen = torch.Generator().manual_seed(5)  # same jitter draws for both paths
         out = render_rays(field, grid, o, d, step_size=0.02, max_samples=256, near=0.02, perturb=True,
-                          generator=gen, fused=fused)
-        (out["rgb"].square().sum() + out["opacity"].sum() + 0.1 * out["depth"].sum()).backward()
+                          generator=gen, fused=fused, distortion=True)
+        (out["rgb"].square().sum() + out["opacity"].sum() + 0.1 * out["depth"].sum()
+         + 3.0 * out["distortion"].sum()).backward()
         outs[fused] = out
         grads[fused] = [p.grad.clone() for p in field.parameters() if p.grad is not None]
     assert int(outs[True]["num_samples"]) == int(outs[False]["num_samples"]) > 1000
-    for key in ("rgb", "opacity", "depth"):
+    assert float(outs[True]["distortion"].max()) > 1e-3
+    for key in ("rgb", "opacity", "depth", "distortion"):
         torch.testing.assert_close(outs[True][key], outs[False][key], rtol=1e-5, atol=1e-6)
     assert len(grads[True]) == len(grads[False])
     for a, b in zip(grads[True], grads[False]):
@@ -133,30 +135,62 @@ def test_march_kernel_keeps_exactly_the_reference_samples(n, r):
             assert a.dtype == b.dtype and torch.equal(a, b), (name, occ is not None)
 
 
-@pytest.mark.gpu
-@requires_gpu
-def test_composite_kernel_matches_the_reference_forward_and_backward():
-    g = torch.Generator(device="cuda").manual_seed(11)
-    counts = torch.randint(0, 300, (5000,), device="cuda", generator=g, dtype=torch.int32)
+def composite_case(device, n_rays: int = 5000, seed: int = 11, contracted: bool = False):
+    """Packed samples of ``n_rays`` rays with 0 to 299 samples each (the first three 0, 1 and 299):
+    sigma up to 50, t ascending in each ray over [0, 2); ``contracted``: each sample its own step, growing
+    geometrically out to ~1000 times the first, as contracted rays' steps do. Returns (sigma, rgb, t,
+    offsets, counts, steps or None, the cotangents of color, opacity, depth and distortion)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    counts = torch.randint(0, 300, (n_rays,), device=device, generator=g, dtype=torch.int32)
     counts[:3] = torch.tensor([0, 1, 299], dtype=torch.int32)
     offsets = torch.cumsum(counts.long(), 0) - counts.long()
     n = int(counts.sum())
-    sigma = (torch.rand(n, device="cuda", generator=g) * 50).requires_grad_()
-    rgb = torch.rand(n, 3, device="cuda", generator=g).requires_grad_()
-    t = torch.rand(n, device="cuda", generator=g).sort().values
-    cots = [torch.randn(5000, 3, device="cuda", generator=g), torch.randn(5000, device="cuda", generator=g),
-            torch.randn(5000, device="cuda", generator=g)]
+    sigma = (torch.rand(n, device=device, generator=g) * 50).requires_grad_()
+    rgb = torch.rand(n, 3, device=device, generator=g).requires_grad_()
+    steps = None
+    pos = torch.arange(n, device=device) - torch.repeat_interleave(offsets, counts.long())
+    if contracted:
+        steps = 0.01 * 1.024 ** pos.float() * (0.5 + torch.rand(n, device=device, generator=g))
+        ray = torch.repeat_interleave(torch.arange(n_rays, device=device), counts.long())
+        run = torch.cumsum(steps.double(), 0)  # in double: the running sum over all rays reaches ~1e6
+        before_ray = torch.cat([run.new_zeros(1), run])[offsets][ray]  # the sum up to the ray's first
+        t = (torch.rand(n_rays, device=device, generator=g)[ray] + run - before_ray - 0.5 * steps).float()
+    else:
+        t = (pos + torch.rand(n, device=device, generator=g)) / 150.0  # ascending over [0, 2) in a ray
+    cots = [torch.randn(n_rays, 3, device=device, generator=g), torch.randn(n_rays, device=device, generator=g),
+            torch.randn(n_rays, device=device, generator=g), torch.randn(n_rays, device=device, generator=g)]
+    return sigma, rgb, t.contiguous(), offsets, counts, steps, cots
+
+
+def composite_kernel_matches_the_twin(device, distortion: bool, contracted: bool, n_rays: int = 5000):
+    """The compositing kernels against ``composite_reference``: outputs and the gradients of sigma and
+    rgb under random cotangents (the body of the GPU test and of its host build, test_render_kernels_on_host)."""
+    sigma, rgb, t, offsets, counts, steps, cots = composite_case(device, n_rays, contracted=contracted)
+    cots = cots if distortion else cots[:3]
     results = []
     for use in (True, False):
-        outs = kernels.composite(sigma, rgb, t, offsets, counts, 0.01, use_kernels=use)
+        outs = kernels.composite(sigma, rgb, t, offsets, counts, 0.01, steps=steps, distortion=distortion,
+                                 use_kernels=use)
+        assert len(outs) == len(cots)
         grads = torch.autograd.grad(outs, (sigma, rgb), cots)
         results.append((outs, grads))
     (k_out, k_grad), (r_out, r_grad) = results
-    # fp32 sums of up to 300 terms in another order (sequential vs PyTorch's reductions and cumprod)
+    if distortion:
+        assert bool((k_out[3] >= 0).all()) and float(k_out[3][0]) == 0.0  # a ray of no samples has none
+    # fp32 sums of up to 300 terms in another order (sequential vs PyTorch's reductions and cumprod);
+    # the distortion's sums run in double on both sides, from float weights
     for a, b in zip(k_out, r_out):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6 * max(1.0, float(b.abs().max())))
     for a, b in zip(k_grad, r_grad):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("distortion", [False, True])
+@pytest.mark.parametrize("contracted", [False, True])
+def test_composite_kernel_matches_the_reference_forward_and_backward(distortion, contracted):
+    composite_kernel_matches_the_twin("cuda", distortion, contracted)
 
 
 @pytest.mark.gpu

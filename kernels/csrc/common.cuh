@@ -2,10 +2,13 @@
 // vectorised loads/stores of F features into float registers, and vector atomics.
 #pragma once
 
-#include <cuda_fp16.h>
-
 typedef unsigned int u32;
 typedef unsigned long long u64;
+
+// The host build of tests/_host_cuda.py (kernels run on the CPU in CI) has no CUDA vector or half
+// types: it gets the integer types above and none of the helpers below.
+#ifndef RF_HOST_BUILD
+#include <cuda_fp16.h>
 
 // Load F consecutive features starting at p into v, widest aligned vectors first.
 // Alignment: p is a multiple of F elements from a base the caller checked to be 16-byte aligned,
@@ -95,3 +98,4 @@ __device__ __forceinline__ void atomic_add_scaled(float* __restrict__ p, float s
   for (int i = 0; i < F; ++i) v[i] = s * g[i];
   atomic_add_features<F>(p, v);
 }
+#endif  // RF_HOST_BUILD

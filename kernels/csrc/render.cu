@@ -179,6 +179,10 @@ __device__ __forceinline__ void sample_alpha(float sigma, float dt, float& alpha
 // One thread per ray over its samples [offsets[ray], offsets[ray] + counts[ray]):
 // w_i = alpha_i * T_i, T_0 = 1, T_{i+1} = T_i * factor_i; color = sum w_i rgb_i (no background),
 // opacity = sum w_i, depth = sum w_i t_i. Each sample's step is steps[i], or dt when steps is nullptr.
+// With distortion (not nullptr) also each ray's distortion (mip-NeRF 360, eq. 15), the double sum
+// sum_ij w_i w_j |t_i - t_j| + 1/3 sum_i w_i^2 dt_i, in one pass: sum_{j<i} w_j (t_i - t_j) is
+// t_i W_i - U_i with W_i, U_i the sums of w_j and w_j t_j before i, kept in double (t reaches ~1000
+// box sizes on contracted rays, where float's t_i W_i - U_i would cancel to noise).
 __global__ void composite_fwd(const float* __restrict__ sigma,      // [S_total]
                               const float* __restrict__ rgb,        // [S_total, 3]
                               const float* __restrict__ t,          // [S_total]
@@ -188,20 +192,29 @@ __global__ void composite_fwd(const float* __restrict__ sigma,      // [S_total]
                               u32 R,
                               float* __restrict__ color,            // [R, 3]
                               float* __restrict__ opacity,          // [R]
-                              float* __restrict__ depth) {          // [R]
+                              float* __restrict__ depth,            // [R]
+                              float* __restrict__ distortion) {     // [R] or nullptr
   const u32 ray = blockIdx.x * blockDim.x + threadIdx.x;
   if (ray >= R) return;
   const long long start = __ldg(offsets + ray), end = start + __ldg(counts + ray);
   float T = 1.0f, c0 = 0.0f, c1 = 0.0f, c2 = 0.0f, op = 0.0f, dp = 0.0f;
+  double W = 0.0, U = 0.0, dist = 0.0;
   for (long long i = start; i < end; ++i) {
     float alpha, ex, factor;
-    sample_alpha(__ldg(sigma + i), steps == nullptr ? dt : __ldg(steps + i), alpha, ex, factor);
-    const float w = __fmul_rn(alpha, T);
+    const float step = steps == nullptr ? dt : __ldg(steps + i);
+    sample_alpha(__ldg(sigma + i), step, alpha, ex, factor);
+    const float w = __fmul_rn(alpha, T), ti = __ldg(t + i);
     c0 += w * __ldg(rgb + 3 * i);
     c1 += w * __ldg(rgb + 3 * i + 1);
     c2 += w * __ldg(rgb + 3 * i + 2);
     op += w;
-    dp += w * __ldg(t + i);
+    dp += w * ti;
+    if (distortion != nullptr) {
+      const double wd = w, td = ti;
+      dist += 2.0 * wd * (td * W - U) + wd * wd * (double)step / 3.0;
+      W += wd;
+      U += wd * td;
+    }
     T = __fmul_rn(T, factor);
   }
   color[3 * (u64)ray] = c0;
@@ -209,6 +222,7 @@ __global__ void composite_fwd(const float* __restrict__ sigma,      // [S_total]
   color[3 * (u64)ray + 2] = c2;
   opacity[ray] = op;
   depth[ray] = dp;
+  if (distortion != nullptr) distortion[ray] = (float)dist;
 }
 
 // Backward of composite_fwd. With q_i = g_color . rgb_i + g_opacity + g_depth * t_i and
@@ -217,6 +231,10 @@ __global__ void composite_fwd(const float* __restrict__ sigma,      // [S_total]
 //   d/d sigma_i = T_i e_i q_i - (e_i / factor_i) * sum_{j > i} w_j q_j
 // (w_j for j > i holds factor_i in T_j). Two passes per ray: the total sum_j w_j q_j, then the
 // suffix sums as total minus the running prefix.
+// With g_distortion (not nullptr), q_i also carries g_distortion * d distortion / d w_i:
+//   2 sum_j w_j |t_i - t_j| + 2/3 w_i dt_i = 2 (2 (t_i W_i - U_i) + U - t_i W) + 2/3 w_i dt_i
+// with W_i, U_i the sums of w_j, w_j t_j before i (double, as the forward) and W, U their totals over
+// the ray: the forward's opacity and depth, passed in.
 __global__ void composite_bwd(const float* __restrict__ sigma, const float* __restrict__ rgb,
                               const float* __restrict__ t, const long long* __restrict__ offsets,
                               const int* __restrict__ counts, float dt,
@@ -225,6 +243,9 @@ __global__ void composite_bwd(const float* __restrict__ sigma, const float* __re
                               const float* __restrict__ g_color,    // [R, 3]
                               const float* __restrict__ g_opacity,  // [R]
                               const float* __restrict__ g_depth,    // [R]
+                              const float* __restrict__ g_distortion,  // [R] or nullptr
+                              const float* __restrict__ opacity,    // [R] (read with g_distortion)
+                              const float* __restrict__ depth,      // [R] (read with g_distortion)
                               float* __restrict__ g_sigma,          // [S_total]
                               float* __restrict__ g_rgb) {          // [S_total, 3]
   const u32 ray = blockIdx.x * blockDim.x + threadIdx.x;
@@ -234,26 +255,41 @@ __global__ void composite_bwd(const float* __restrict__ sigma, const float* __re
   const float gc0 = __ldg(g_color + 3 * (u64)ray), gc1 = __ldg(g_color + 3 * (u64)ray + 1),
               gc2 = __ldg(g_color + 3 * (u64)ray + 2);
   const float go = __ldg(g_opacity + ray), gd = __ldg(g_depth + ray);
-  // q_i, and w_i with the sample's alpha terms, given T = the transmittance before sample i
-  auto term = [&](long long i, float T, float& ex, float& factor, float& w) {
-    float alpha;
-    sample_alpha(__ldg(sigma + i), steps == nullptr ? dt : __ldg(steps + i), alpha, ex, factor);
+  const float gdist = g_distortion == nullptr ? 0.0f : __ldg(g_distortion + ray);
+  const double W_all = g_distortion == nullptr ? 0.0 : (double)__ldg(opacity + ray);
+  const double U_all = g_distortion == nullptr ? 0.0 : (double)__ldg(depth + ray);
+  // q_i, and w_i with the sample's alpha terms, given T = the transmittance before sample i and
+  // W, U = the sums of w_j and w_j t_j before it (advanced here when the distortion term is on)
+  auto term = [&](long long i, float T, double& W, double& U, float& e, float& factor, float& w) {
+    float alpha, ex;
+    const float step = steps == nullptr ? dt : __ldg(steps + i);
+    sample_alpha(__ldg(sigma + i), step, alpha, ex, factor);
+    e = step * ex;
     w = __fmul_rn(alpha, T);
-    return gc0 * __ldg(rgb + 3 * i) + gc1 * __ldg(rgb + 3 * i + 1) + gc2 * __ldg(rgb + 3 * i + 2) + go +
-           gd * __ldg(t + i);
+    const float ti = __ldg(t + i);
+    float q = gc0 * __ldg(rgb + 3 * i) + gc1 * __ldg(rgb + 3 * i + 1) + gc2 * __ldg(rgb + 3 * i + 2) + go + gd * ti;
+    if (gdist != 0.0f) {
+      const double wd = w, td = ti;
+      q += gdist * (float)(2.0 * (2.0 * (td * W - U) + U_all - td * W_all) + 2.0 / 3.0 * wd * (double)step);
+      W += wd;
+      U += wd * td;
+    }
+    return q;
   };
-  float ex, factor, w, T = 1.0f, total = 0.0f;
+  float e, factor, w, T = 1.0f, total = 0.0f;
+  double W = 0.0, U = 0.0;
   for (long long i = start; i < end; ++i) {
-    const float q = term(i, T, ex, factor, w);
+    const float q = term(i, T, W, U, e, factor, w);
     total += w * q;
     T = __fmul_rn(T, factor);
   }
   T = 1.0f;
+  W = 0.0;
+  U = 0.0;
   float prefix = 0.0f;
   for (long long i = start; i < end; ++i) {
-    const float q = term(i, T, ex, factor, w);
+    const float q = term(i, T, W, U, e, factor, w);
     prefix += w * q;
-    const float e = (steps == nullptr ? dt : __ldg(steps + i)) * ex;
     g_sigma[i] = T * e * q - (e / factor) * (total - prefix);
     g_rgb[3 * i] = w * gc0;
     g_rgb[3 * i + 1] = w * gc1;

@@ -11,17 +11,16 @@ out to ~1000 times the distance it took to cross the box, and each sample has it
 Optionally each ray's distortion (mip-NeRF 360, Barron et al. 2022, eq. 15) comes back too:
 ``sum_ij w_i w_j |t_i - t_j| + 1/3 sum_i w_i^2 dt_i`` over its samples (t: midpoints, dt: step
 lengths), small when the ray's weight sits in one short stretch and large when it is spread out,
-as floaters and fog spread it. It is computed in O(samples) with prefix sums within each ray
-(the double sum over i < j is ``sum_i w_i (t_i W_i - (wt)_i)`` with W, (wt) the sums before i),
-in PyTorch ops that run the same on the CPU and the GPU; the packed renderer gets its weights
-again from the densities for it (``kernels.composite`` returns only the composites).
+as floaters and fog spread it. The packed renderer gets it from ``kernels.composite`` (the same
+pass over each ray's samples as its colour, and its gradient in the same backward); the dense one
+from ``kernels._reference.distortion_reference`` on its weights (prefix sums along each row).
 """
 from __future__ import annotations
 
 import torch
 
 import kernels
-from kernels._reference import march_steps_reference, ray_box_reference
+from kernels._reference import distortion_reference, march_steps_reference, ray_box_reference
 
 from .field import NerfField, sh_encode_deg4
 from .occupancy import OccupancyGrid
@@ -30,48 +29,6 @@ from .occupancy import OccupancyGrid
 def ray_aabb(o: torch.Tensor, d: torch.Tensor, aabb: torch.Tensor, near: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Entry and exit distances [R] of rays with the box; exit <= entry means a miss."""
     return ray_box_reference(o, d, aabb, near)  # one definition for both renderers (kernels/_reference.py)
-
-
-def packed_weights(sigma: torch.Tensor, steps: torch.Tensor, ray_index: torch.Tensor, offsets: torch.Tensor,
-                   counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable weights ``w_i = (1 - exp(-sigma_i dt_i)) exp(-sum_{j<i} sigma_j dt_j)`` [S] of
-    packed samples (ray r owns rows ``offsets[r] .. + counts[r] - 1``), and the mask [S] of rows that
-    belong to a ray (rows past the last sample, which a fixed budget leaves, weigh 0). The optical
-    depths are summed in float64."""
-    rows = torch.arange(sigma.shape[0], device=sigma.device)
-    start = offsets[ray_index]
-    inside = (rows - start) < counts[ray_index].long()
-    x = (sigma.double() * steps.double()) * inside
-    before = _sum_before(x, start)  # optical depth in front of each sample, in its ray
-    return (-torch.expm1(-x) * torch.exp(-before)).to(sigma.dtype), inside
-
-
-def _sum_before(v: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """Per packed row, the sum of ``v`` over the earlier rows of its ray (``start``: each row's ray's
-    first row): a prefix sum over all rows minus the one before the ray's first."""
-    c = torch.cumsum(v, 0)
-    return c - v - (c[start] - v[start])
-
-
-def distortion_packed(w: torch.Tensor, t: torch.Tensor, steps: torch.Tensor, ray_index: torch.Tensor,
-                      offsets: torch.Tensor, n_rays: int) -> torch.Tensor:
-    """Each ray's distortion [n_rays] (see the module docstring) from packed weights ``w`` [S] (0 on
-    rows of no ray), midpoints ``t`` [S] (ascending within a ray) and step lengths ``steps`` [S]."""
-    w64, t64 = w.double(), t.double()
-    start = offsets[ray_index]
-    per_sample = (2.0 * w64 * (t64 * _sum_before(w64, start) - _sum_before(w64 * t64, start))
-                  + w64 * w64 * steps.double() / 3.0)
-    out = torch.zeros(n_rays, dtype=torch.float64, device=w.device).index_add_(0, ray_index, per_sample)
-    return out.to(w.dtype)
-
-
-def distortion_dense(w: torch.Tensor, t: torch.Tensor, dt) -> torch.Tensor:
-    """Each ray's distortion [R] from dense weights ``w`` [R, S] (0 where a sample is not taken),
-    midpoints ``t`` [R, S] and the step ``dt`` (a number or [R, S])."""
-    w64, t64 = w.double(), t.double()
-    dt64 = dt.double() if isinstance(dt, torch.Tensor) else dt
-    cw, cwt = torch.cumsum(w64, 1) - w64, torch.cumsum(w64 * t64, 1) - w64 * t64
-    return (2.0 * w64 * (t64 * cw - cwt) + w64 * w64 * dt64 / 3.0).sum(1).to(w.dtype)
 
 
 def sample_jitter(rays: int, perturb: bool, generator: torch.Generator | None,
@@ -148,7 +105,7 @@ def render_rays(
     depth = (w * t).sum(dim=1)
     out = {"rgb": color, "opacity": opacity, "depth": depth, "num_samples": torch.tensor(idx[0].numel())}
     if distortion:
-        out["distortion"] = distortion_dense(w, t, dt)
+        out["distortion"] = distortion_reference(w, t, dt)
     return out
 
 
@@ -246,15 +203,14 @@ def render_packed(field: NerfField, grid: OccupancyGrid | None, o: torch.Tensor,
                            app=None if appearance is None else appearance[s.ray_index])
     else:
         sigma, rgb = o.new_zeros(0), o.new_zeros(0, 3)
-    color, opacity, depth = kernels.composite(sigma.float(), rgb.float(), s.t, s.offsets, s.counts, step_size,
-                                              steps=s.steps, use_kernels=use)
+    color, opacity, depth, *dist = kernels.composite(sigma.float(), rgb.float(), s.t, s.offsets, s.counts,
+                                                     step_size, steps=s.steps, distortion=distortion,
+                                                     use_kernels=use)
     bg = field.background_rgb() if background is None else background
     color = color + (1.0 - opacity)[:, None] * bg
     out = {"rgb": color, "opacity": opacity, "depth": depth}
     if distortion:
-        steps = s.steps if s.steps is not None else torch.full_like(s.t, step_size)
-        w, _ = packed_weights(sigma.float(), steps, s.ray_index, s.offsets, s.counts)
-        out["distortion"] = distortion_packed(w, s.t, steps, s.ray_index, s.offsets, o.shape[0])
+        out["distortion"] = dist[0]
     if capacity is None:
         out["num_samples"] = torch.tensor(s.t.numel())
     else:
