@@ -174,15 +174,17 @@ class _Composite(torch.autograd.Function):
         opacity = torch.empty(R, dtype=torch.float32, device=dev)
         depth = torch.empty(R, dtype=torch.float32, device=dev)
         dist = torch.empty(R, dtype=torch.float32, device=dev) if with_distortion else None
+        dist_u = torch.empty(R, dtype=torch.float32, device=dev) if with_distortion else None  # sum w u
         if R:
             program().launch("composite_fwd", (-(-R // BLOCK_SIZE),), (BLOCK_SIZE,),
                              [(sigma.data_ptr(), ptr), (rgb.data_ptr(), ptr), (t.data_ptr(), ptr),
                               (offsets.data_ptr(), ptr), (counts.data_ptr(), ptr), (float(dt), f32),
                               (0 if steps is None else steps.data_ptr(), ptr), (R, u32),
                               (color.data_ptr(), ptr), (opacity.data_ptr(), ptr), (depth.data_ptr(), ptr),
-                              (0 if dist is None else dist.data_ptr(), ptr)],
+                              (0 if dist is None else dist.data_ptr(), ptr),
+                              (0 if dist_u is None else dist_u.data_ptr(), ptr)],
                              device=dev)
-        ctx.save_for_backward(sigma, rgb, t, offsets, counts, steps, opacity, depth)
+        ctx.save_for_backward(sigma, rgb, t, offsets, counts, steps, opacity, dist_u)
         ctx.dt = dt
         if dist is None:
             return color, opacity, depth
@@ -191,7 +193,7 @@ class _Composite(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g_color, g_opacity, g_depth, g_dist=None):
-        sigma, rgb, t, offsets, counts, steps, opacity, depth = ctx.saved_tensors
+        sigma, rgb, t, offsets, counts, steps, opacity, dist_u = ctx.saved_tensors
         R = counts.shape[0]
         dev = sigma.device
         g_color = torch.zeros(R, 3, device=dev) if g_color is None else g_color.float().contiguous()
@@ -207,7 +209,7 @@ class _Composite(torch.autograd.Function):
                               (0 if steps is None else steps.data_ptr(), ptr), (R, u32),
                               (g_color.data_ptr(), ptr), (g_opacity.data_ptr(), ptr), (g_depth.data_ptr(), ptr),
                               (0 if g_dist is None else g_dist.data_ptr(), ptr),
-                              (opacity.data_ptr(), ptr), (depth.data_ptr(), ptr),
+                              (opacity.data_ptr(), ptr), (0 if dist_u is None else dist_u.data_ptr(), ptr),
                               (g_sigma.data_ptr(), ptr), (g_rgb.data_ptr(), ptr)], device=dev)
         return g_sigma, g_rgb, None, None, None, None, None, None
 
@@ -223,9 +225,10 @@ def composite(sigma: torch.Tensor, rgb: torch.Tensor, t: torch.Tensor, offsets: 
         sigma: [S] float32 densities; rgb: [S, 3] float32 colours; t: [S] float32 distances.
         offsets: [R] int64, counts: [R] int32 (from :func:`march_rays`).
         dt: the march step; steps: [S] float32 step of each sample instead (``Samples.steps``).
-        distortion: also each ray's distortion (mip-NeRF 360, eq. 15), ``sum_ij w_i w_j |t_i - t_j| +
-            1/3 sum_i w_i^2 dt_i``, computed in the same pass over the samples, ray by ray
-            (``_reference.distortion_reference`` is the formula).
+        distortion: also each ray's distortion (mip-NeRF 360, eq. 15), ``sum_ij w_i w_j |u_i - u_j| +
+            1/3 sum_i w_i^2 dt``, computed in the same pass over the samples, ray by ray, in the march
+            coordinate u (``t`` on box rays; with ``steps``, linear then linear in disparity:
+            ``_reference.distortion_coords``); ``_reference.distortion_reference`` is the formula.
 
     Returns:
         color [R, 3] = sum w rgb (the caller adds ``(1 - opacity) * background``), opacity [R] = sum w,
@@ -243,7 +246,7 @@ def composite(sigma: torch.Tensor, rgb: torch.Tensor, t: torch.Tensor, offsets: 
         _check("steps", steps, (S,), torch.float32, dev)
     if not _use_kernels(dev, use_kernels):
         return composite_reference(sigma, rgb, t, offsets, counts, dt if steps is None else steps,
-                                   distortion=distortion)
+                                   distortion=distortion, base_step=float(dt))
     return _Composite.apply(sigma.contiguous(), rgb.contiguous(), t.contiguous(), offsets.contiguous(),
                             counts.contiguous(), float(dt), None if steps is None else steps.contiguous(),
                             bool(distortion))

@@ -24,12 +24,16 @@ from test_nerf_training import _method, _scene, _train
 from test_render_kernels import AABB, _rays
 
 
+BASE = 0.01  # the march's step: _packed's steps are BASE or longer, as contracted rays' are
+
+
 def _packed(counts: list[int], seed: int = 0, pad: int = 0):
     g = torch.Generator().manual_seed(seed)
     counts_t = torch.tensor(counts, dtype=torch.int32)
     offsets = torch.cumsum(counts_t.long(), 0) - counts_t.long()
     t = torch.cat([torch.sort(torch.rand(c, generator=g, dtype=torch.float64) * 2)[0] for c in counts])
-    steps = torch.rand(t.shape[0], generator=g, dtype=torch.float64) * 0.1 + 0.01
+    # a contracted ray's steps: BASE up to T1 = 0.8, then BASE (t / T1)^2 (uniform in disparity)
+    steps = BASE * (t / 0.8).clamp(min=1.0) ** 2
     sigma = torch.rand(t.shape[0], generator=g, dtype=torch.float64) * 5
     if pad:  # rows past the last sample, as a fixed budget leaves them: t 0, sigma of whatever
         t, steps = torch.cat([t, t.new_zeros(pad)]), torch.cat([steps, steps.new_full((pad,), 0.05)])
@@ -39,19 +43,23 @@ def _packed(counts: list[int], seed: int = 0, pad: int = 0):
 
 
 def _by_hand(sigma, t, steps):
-    """One ray: the compositing weights w_i = alpha_i prod_{j<i} (1 - alpha_j + 1e-10) and the double sum."""
+    """One ray: the compositing weights w_i = alpha_i prod_{j<i} (1 - alpha_j + 1e-10) and the double
+    sum over the march coordinates u_i = t_i (2 r_i - r_i^2), r_i = sqrt(BASE / step_i)."""
     alpha = -torch.expm1(-sigma * steps)
     trans = torch.cumprod(torch.cat([alpha.new_ones(1), 1.0 - alpha[:-1] + 1e-10]), 0)
     w = alpha * trans
-    pair = (w[:, None] * w[None, :] * (t[:, None] - t[None, :]).abs()).sum()
-    return w, pair + (w * w * steps).sum() / 3.0
+    r = torch.sqrt(torch.tensor(BASE, dtype=torch.float32).double() / steps)
+    u = t * (2 * r - r * r)
+    pair = (w[:, None] * w[None, :] * (u[:, None] - u[None, :]).abs()).sum()
+    return w, pair + (w * w).sum() * BASE / 3.0
 
 
 @pytest.mark.parametrize("pad", [0, 7])
 def test_the_single_pass_form_is_the_pairwise_sum_ray_by_ray(pad):
     counts = [3, 0, 5, 1, 4, 9]
     sigma, rgb, t, steps, offsets, counts_t = _packed(counts, pad=pad)
-    _, opacity, _, per_ray = kernels.composite_reference(sigma, rgb, t, offsets, counts_t, steps, distortion=True)
+    _, opacity, _, per_ray = kernels.composite_reference(sigma, rgb, t, offsets, counts_t, steps, distortion=True,
+                                                         base_step=BASE)
     for r, c in enumerate(counts):
         rows = slice(int(offsets[r]), int(offsets[r]) + c)
         if c == 0:
@@ -67,7 +75,7 @@ def test_the_gradient_reaches_the_densities():
     sigma.requires_grad_()
 
     def loss(s):
-        return kernels.composite_reference(s, rgb, t, offsets, counts, steps, distortion=True)[3]
+        return kernels.composite_reference(s, rgb, t, offsets, counts, steps, distortion=True, base_step=BASE)[3]
 
     assert torch.autograd.gradcheck(loss, (sigma,))
 
@@ -83,11 +91,11 @@ def test_a_saturated_ray_leaves_the_others_alone():
         hot = sigma.clone()
         hot[3:8] = big  # every sample of ray 1
         hot.requires_grad_()
-        out = kernels.composite(hot, rgb, t, offsets, counts, 0.0, steps=steps, distortion=True)
+        out = kernels.composite(hot, rgb, t, offsets, counts, BASE, steps=steps, distortion=True)
         grad, = torch.autograd.grad(sum(o.sum() for o in out), hot)
         assert all(bool(torch.isfinite(o).all()) for o in out) and bool(torch.isfinite(grad).all())
         torch.testing.assert_close(out[1][1], torch.tensor(1.0))  # opaque at its first sample
-        cold = kernels.composite(sigma, rgb, t, offsets, counts, 0.0, steps=steps, distortion=True)
+        cold = kernels.composite(sigma, rgb, t, offsets, counts, BASE, steps=steps, distortion=True)
         for o_hot, o_cold in zip(out, cold):
             torch.testing.assert_close(o_hot[[0, 2, 3]], o_cold[[0, 2, 3]])
 
@@ -101,6 +109,53 @@ def test_dense_weights_of_no_sample_add_nothing():
     T[:, 4:] = 9.0  # invalid dense samples: weight 0, any t
     torch.testing.assert_close(distortion_reference(W, T, 0.05), want)
     torch.testing.assert_close(distortion_reference(W, T, 0.05), distortion_reference(W, T, torch.full_like(T, 0.05)))
+
+
+def test_every_march_step_counts_the_base_step_in_the_distortion_coordinate():
+    """On contracted rays the march is linear up to T1, then uniform in disparity; in the distortion's
+    coordinate u every one of its steps is the base step (u = t before T1), so the background's far,
+    long steps weigh as much as the near ones, as in mip-NeRF 360's normalised ray distance."""
+    from kernels._reference import distortion_coords, march_steps_reference
+
+    o, d = _rays(64, 0, "cpu")
+    aabb = torch.tensor(AABB)
+    t, steps, valid = march_steps_reference(o.double(), d.double(), torch.full((64,), 0.5, dtype=torch.float64),
+                                            aabb.double(), 0.02, 600, 0.02, True)
+    assert bool((steps[valid] > 1.5 * 0.02).any()) and bool((steps[valid] == 0.02).any())  # both parts
+    u = distortion_coords(t, steps, 0.02)
+    lin = steps == 0.02
+    torch.testing.assert_close(u[lin], t[lin].double())
+    pair = valid[:, 1:]
+    du = u[:, 1:] - u[:, :-1]
+    both_lin, both_far = lin[:, 1:] & lin[:, :-1] & pair, ~lin[:, 1:] & ~lin[:, :-1] & pair
+    for part in (both_lin, both_far):
+        torch.testing.assert_close(du[part], torch.full_like(du[part], 0.02), rtol=0, atol=1e-6)
+    # the one step from the linear part into the disparity part: T1 is not on the linear grid, so it
+    # is between half and one and a half steps (jitter 0.5)
+    cross = lin[:, :-1] & ~lin[:, 1:] & pair
+    assert int(cross.sum()) > 0 and bool((cross.sum(1) <= 1).all())
+    assert bool(((du[cross] > 0.5 * 0.02) & (du[cross] <= 1.5 * 0.02 + 1e-9)).all())
+    assert float(t[valid].max()) > 50 * float(u[valid].max()) / 2  # metric t runs far past u's range
+
+
+def test_contracted_distortion_ignores_how_far_the_background_is():
+    """Two contracted rays, each with its weight split between a surface and a background sample at the
+    same march-step distance; one background is 10x farther in metric t. Their distortion is the same in
+    u (it grew with t in the metric form: fern collapsed to 20.3 dB with it, 2026-12-04)."""
+    base, t1 = 0.01, 1.0
+    rows = []
+    for far in (5.0, 50.0):
+        t = torch.tensor([0.5, far], dtype=torch.float64)
+        steps = torch.tensor([base, base * far * far / (t1 * t1)], dtype=torch.float64)
+        rows.append((t, steps))
+    sigma = torch.tensor([30.0, 1e3], dtype=torch.float64)
+    rgb = torch.zeros(2, 3, dtype=torch.float64)
+    offs, cnt = torch.tensor([0]), torch.tensor([2], dtype=torch.int32)
+    got = [float(kernels.composite_reference(sigma, rgb, t, offs, cnt, s, distortion=True, base_step=base)[3])
+           for t, s in rows]
+    assert got[0] > 0.01
+    # u = 2 T1 - T1^2 / t: 1.8 and 1.98, so the 10x farther background moves u by only 10 %
+    assert got[1] / got[0] < 1.2, got
 
 
 def test_off_by_default_and_a_term_of_the_loss_when_on():

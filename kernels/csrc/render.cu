@@ -176,13 +176,27 @@ __device__ __forceinline__ void sample_alpha(float sigma, float dt, float& alpha
   factor = __fadd_rn(__fsub_rn(1.0f, alpha), 1e-10f);
 }
 
+// The distortion loss's coordinate of a sample at distance t with march step `step` (base step dt).
+// Box rays (per_sample false): t. Contracted rays march linearly in steps of dt up to T1, then
+// uniformly in disparity with step dt t^2 / T1^2 (kernels/_reference.py march_steps_reference), so
+// u = t (2 r - r^2), r = sqrt(dt / step) (= T1 / t past T1, 1 before it), is t up to T1 and
+// 2 T1 - T1^2 / t past it: every march step is dt in u. This is mip-NeRF 360's normalised ray
+// distance (linear, then linear in disparity) in the box's units; in metric t the background's
+// far samples would dominate the sum and the loss would pull all weight in front of them.
+__device__ __forceinline__ double distortion_u(float t, float step, float dt, bool per_sample) {
+  if (!per_sample) return (double)t;
+  const double r = fmin(1.0, sqrt((double)dt / (double)step));
+  return (double)t * (2.0 * r - r * r);
+}
+
 // One thread per ray over its samples [offsets[ray], offsets[ray] + counts[ray]):
 // w_i = alpha_i * T_i, T_0 = 1, T_{i+1} = T_i * factor_i; color = sum w_i rgb_i (no background),
 // opacity = sum w_i, depth = sum w_i t_i. Each sample's step is steps[i], or dt when steps is nullptr.
 // With distortion (not nullptr) also each ray's distortion (mip-NeRF 360, eq. 15), the double sum
-// sum_ij w_i w_j |t_i - t_j| + 1/3 sum_i w_i^2 dt_i, in one pass: sum_{j<i} w_j (t_i - t_j) is
-// t_i W_i - U_i with W_i, U_i the sums of w_j and w_j t_j before i, kept in double (t reaches ~1000
-// box sizes on contracted rays, where float's t_i W_i - U_i would cancel to noise).
+// sum_ij w_i w_j |u_i - u_j| + 1/3 sum_i w_i^2 dt over the samples' march coordinates u
+// (distortion_u), in one pass: sum_{j<i} w_j (u_i - u_j) is u_i W_i - U_i with W_i, U_i the sums of
+// w_j and w_j u_j before i, kept in double (u reaches twice the linear reach on contracted rays,
+// where float's u_i W_i - U_i would cancel to noise). dist_u gets each ray's U (the backward reads it).
 __global__ void composite_fwd(const float* __restrict__ sigma,      // [S_total]
                               const float* __restrict__ rgb,        // [S_total, 3]
                               const float* __restrict__ t,          // [S_total]
@@ -193,7 +207,8 @@ __global__ void composite_fwd(const float* __restrict__ sigma,      // [S_total]
                               float* __restrict__ color,            // [R, 3]
                               float* __restrict__ opacity,          // [R]
                               float* __restrict__ depth,            // [R]
-                              float* __restrict__ distortion) {     // [R] or nullptr
+                              float* __restrict__ distortion,       // [R] or nullptr
+                              float* __restrict__ dist_u) {         // [R] (with distortion)
   const u32 ray = blockIdx.x * blockDim.x + threadIdx.x;
   if (ray >= R) return;
   const long long start = __ldg(offsets + ray), end = start + __ldg(counts + ray);
@@ -210,10 +225,10 @@ __global__ void composite_fwd(const float* __restrict__ sigma,      // [S_total]
     op += w;
     dp += w * ti;
     if (distortion != nullptr) {
-      const double wd = w, td = ti;
-      dist += 2.0 * wd * (td * W - U) + wd * wd * (double)step / 3.0;
+      const double wd = w, ud = distortion_u(ti, step, dt, steps != nullptr);
+      dist += 2.0 * wd * (ud * W - U) + wd * wd * (double)dt / 3.0;
       W += wd;
-      U += wd * td;
+      U += wd * ud;
     }
     T = __fmul_rn(T, factor);
   }
@@ -222,7 +237,10 @@ __global__ void composite_fwd(const float* __restrict__ sigma,      // [S_total]
   color[3 * (u64)ray + 2] = c2;
   opacity[ray] = op;
   depth[ray] = dp;
-  if (distortion != nullptr) distortion[ray] = (float)dist;
+  if (distortion != nullptr) {
+    distortion[ray] = (float)dist;
+    dist_u[ray] = (float)U;
+  }
 }
 
 // Backward of composite_fwd. With q_i = g_color . rgb_i + g_opacity + g_depth * t_i and
@@ -232,9 +250,9 @@ __global__ void composite_fwd(const float* __restrict__ sigma,      // [S_total]
 // (w_j for j > i holds factor_i in T_j). Two passes per ray: the total sum_j w_j q_j, then the
 // suffix sums as total minus the running prefix.
 // With g_distortion (not nullptr), q_i also carries g_distortion * d distortion / d w_i:
-//   2 sum_j w_j |t_i - t_j| + 2/3 w_i dt_i = 2 (2 (t_i W_i - U_i) + U - t_i W) + 2/3 w_i dt_i
-// with W_i, U_i the sums of w_j, w_j t_j before i (double, as the forward) and W, U their totals over
-// the ray: the forward's opacity and depth, passed in.
+//   2 sum_j w_j |u_i - u_j| + 2/3 w_i dt = 2 (2 (u_i W_i - U_i) + U - u_i W) + 2/3 w_i dt
+// with W_i, U_i the sums of w_j, w_j u_j before i (double, as the forward) and W, U their totals over
+// the ray: the forward's opacity and dist_u, passed in.
 __global__ void composite_bwd(const float* __restrict__ sigma, const float* __restrict__ rgb,
                               const float* __restrict__ t, const long long* __restrict__ offsets,
                               const int* __restrict__ counts, float dt,
@@ -245,7 +263,7 @@ __global__ void composite_bwd(const float* __restrict__ sigma, const float* __re
                               const float* __restrict__ g_depth,    // [R]
                               const float* __restrict__ g_distortion,  // [R] or nullptr
                               const float* __restrict__ opacity,    // [R] (read with g_distortion)
-                              const float* __restrict__ depth,      // [R] (read with g_distortion)
+                              const float* __restrict__ dist_u,     // [R] (read with g_distortion)
                               float* __restrict__ g_sigma,          // [S_total]
                               float* __restrict__ g_rgb) {          // [S_total, 3]
   const u32 ray = blockIdx.x * blockDim.x + threadIdx.x;
@@ -257,9 +275,9 @@ __global__ void composite_bwd(const float* __restrict__ sigma, const float* __re
   const float go = __ldg(g_opacity + ray), gd = __ldg(g_depth + ray);
   const float gdist = g_distortion == nullptr ? 0.0f : __ldg(g_distortion + ray);
   const double W_all = g_distortion == nullptr ? 0.0 : (double)__ldg(opacity + ray);
-  const double U_all = g_distortion == nullptr ? 0.0 : (double)__ldg(depth + ray);
+  const double U_all = g_distortion == nullptr ? 0.0 : (double)__ldg(dist_u + ray);
   // q_i, and w_i with the sample's alpha terms, given T = the transmittance before sample i and
-  // W, U = the sums of w_j and w_j t_j before it (advanced here when the distortion term is on)
+  // W, U = the sums of w_j and w_j u_j before it (advanced here when the distortion term is on)
   auto term = [&](long long i, float T, double& W, double& U, float& e, float& factor, float& w) {
     float alpha, ex;
     const float step = steps == nullptr ? dt : __ldg(steps + i);
@@ -269,10 +287,10 @@ __global__ void composite_bwd(const float* __restrict__ sigma, const float* __re
     const float ti = __ldg(t + i);
     float q = gc0 * __ldg(rgb + 3 * i) + gc1 * __ldg(rgb + 3 * i + 1) + gc2 * __ldg(rgb + 3 * i + 2) + go + gd * ti;
     if (gdist != 0.0f) {
-      const double wd = w, td = ti;
-      q += gdist * (float)(2.0 * (2.0 * (td * W - U) + U_all - td * W_all) + 2.0 / 3.0 * wd * (double)step);
+      const double wd = w, ud = distortion_u(ti, step, dt, steps != nullptr);
+      q += gdist * (float)(2.0 * (2.0 * (ud * W - U) + U_all - ud * W_all) + 2.0 / 3.0 * wd * (double)dt);
       W += wd;
-      U += wd * td;
+      U += wd * ud;
     }
     return q;
   };

@@ -9,9 +9,11 @@ out to ~1000 times the distance it took to cross the box, and each sample has it
 (kernels/_reference.py march_steps_reference).
 
 Optionally each ray's distortion (mip-NeRF 360, Barron et al. 2022, eq. 15) comes back too:
-``sum_ij w_i w_j |t_i - t_j| + 1/3 sum_i w_i^2 dt_i`` over its samples (t: midpoints, dt: step
-lengths), small when the ray's weight sits in one short stretch and large when it is spread out,
-as floaters and fog spread it. The packed renderer gets it from ``kernels.composite`` (the same
+``sum_ij w_i w_j |u_i - u_j| + 1/3 sum_i w_i^2 dt`` over its samples (u: their march coordinates,
+dt: the march step), small when the ray's weight sits in one short stretch and large when it is
+spread out, as floaters and fog spread it. u is t on box rays; on contracted rays it is linear in
+t, then in disparity (``kernels._reference.distortion_coords``), so each march step counts dt, as
+mip-NeRF 360 measures the loss in its normalised ray distance rather than in metric t. The packed renderer gets it from ``kernels.composite`` (the same
 pass over each ray's samples as its colour, and its gradient in the same backward); the dense one
 from ``kernels._reference.distortion_reference`` on its weights (prefix sums along each row).
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 import torch
 
 import kernels
-from kernels._reference import distortion_reference, march_steps_reference, ray_box_reference
+from kernels._reference import distortion_coords, distortion_reference, march_steps_reference, ray_box_reference
 
 from .field import NerfField, sh_encode_deg4
 from .occupancy import OccupancyGrid
@@ -105,7 +107,8 @@ def render_rays(
     depth = (w * t).sum(dim=1)
     out = {"rgb": color, "opacity": opacity, "depth": depth, "num_samples": torch.tensor(idx[0].numel())}
     if distortion:
-        out["distortion"] = distortion_reference(w, t, dt)
+        u = distortion_coords(t, dt if field.contract else None, step_size)
+        out["distortion"] = distortion_reference(w, u, step_size)
     return out
 
 
