@@ -43,6 +43,7 @@ from stages.common import metrics as M  # noqa: E402
 from stages.common.params import from_dict  # noqa: E402
 from stages.reconstruct.config import ReconstructParams  # noqa: E402
 from stages.reconstruct.data import composite, load_scene  # noqa: E402
+from stages.reconstruct.nerf.method import viewing_spread_deg  # noqa: E402
 
 train_module = importlib.import_module("stages.reconstruct.train")  # the module (the package exports the function)
 
@@ -63,7 +64,18 @@ GPU_RECONSTRUCT = {"batch_rays": 8192, "steps": 1_000_000}
 # real captures (no alpha, no known background): the world past the box contracted into a shell around it;
 # the box then takes the middle half of the hash grid per axis, so the finest level doubles, and the march
 # step is that of instant-ngp's 512 steps across the box
-CONTRACTED_NERF = {"scene_contraction": "mipnerf360", "max_resolution": 4096, "samples_per_ray": 512}
+CONTRACTED_NERF = {"scene_contraction": "mipnerf360", "max_resolution": 4096, "samples_per_ray": 512,
+                   "lr_schedule": "exp"}
+# real captures are trained as a 25k-step run (about what 120 s holds on an H200) whose learning rate decays
+# exponentially to lr_final over those steps; the budgets are snapshots of it. With instant-ngp's step-free
+# schedule fox lost 1.2 dB and fern 0.7 dB from 30 s to 120 s (2026-12-01 rows of nerf_quality_H200.json).
+CONTRACTED_RECONSTRUCT = {"steps": 25_000}
+# captures that go around their subject (the widest angle between two views' axes at least this, fox: 98
+# degrees) get mip-NeRF 360's distortion loss at this weight, as mip-NeRF 360 uses it on its 360 scenes;
+# forward-facing ones (fern: 19 degrees) none: there it cost fern 3.8 dB at 0.001 and 13 dB at 0.01
+# (H200, 2026-12-04), as its rays see leaves in front of a wall and the term pulls their weights together
+SURROUNDING_DEG = 45.0
+SURROUNDING_DISTORTION = 1e-3
 # 3DGS side by side: the 3DGS reference's 30k-step schedule (the clock stops it earlier) and its
 # densification (500 / 15000 / every 100, no Gaussian budget: the densify defaults, as bench_3dgs.py
 # trains), not params.yaml's CPU profile (a 60k budget, reached on fox at step 151)
@@ -112,13 +124,15 @@ def train_with_snapshots(params: ReconstructParams, scene, device: torch.device,
     clock = Clock(device)
     todo = sorted(budgets)
     out = {"snapshots": [], "method": None}
+    steps_done, work_done = [0], [None]  # the last step and the work counters, for a run that ends early
     real_build = train_module.build_method
 
     def build(*a, **kw):
         method = real_build(*a, **kw)
         out["method"] = method
         work = torch.zeros(2, dtype=torch.float64, device=device)  # samples, rays
-        steps = [0]
+        steps = steps_done
+        work_done[0] = work
         pre, fb, after = method.step_pre_forward, method.forward_backward, method.after_step
 
         def step_pre_forward(step, generator):
@@ -158,6 +172,15 @@ def train_with_snapshots(params: ReconstructParams, scene, device: torch.device,
     try:
         train_module.train(params, scene, device, seed, progress=False)
         out["stopped"] = "ran out of steps (reconstruct.steps) before the last budget"
+        # a run that finished early is its final model at every later budget (3DGS's 30k steps take
+        # about 60 s of fox on an H200): those rows say so, with the time it really trained
+        if todo and out["method"] is not None:
+            clock.sync()
+            state = _clone(out["method"].state_dict())
+            for budget in todo:
+                out["snapshots"].append({"budget": budget, "time_s": clock.elapsed(), "steps": steps_done[0],
+                                         "samples": float(work_done[0][0]), "units": float(work_done[0][1]),
+                                         "finished": True, "state": state})
     except _BudgetReached:
         out["stopped"] = "budget"
     finally:
@@ -212,6 +235,9 @@ def make_params(method: str, scene, contraction: str, sets: list[str], device: t
         real = scene.background is None and scene.train.channels == 3
         if contraction == "on" or (contraction == "auto" and real):
             data["nerf"].update(CONTRACTED_NERF)
+            data.update(CONTRACTED_RECONSTRUCT)
+            if viewing_spread_deg(scene.train.c2w) >= SURROUNDING_DEG:
+                data["nerf"]["distortion_loss"] = SURROUNDING_DISTORTION
     else:
         data.update(GPU_3DGS)
         data["gs"]["densify"] = {}
@@ -238,6 +264,8 @@ def run_scene(name: str, poses: Path, method: str, args, device: torch.device) -
     rows = []
     for snap in run["snapshots"]:
         fresh.load_state_dict(snap.pop("state"))
+        if snap.get("finished"):
+            print(f"  {snap['budget']:6g} s: (finished at {snap['time_s']:.1f} s, step {snap['steps']})", flush=True)
         psnr, ssim, per_view = evaluate(fresh, scene, args.max_views)
         t = snap["time_s"]
         rows.append({**snap, "psnr": psnr, "ssim": ssim, "worst_view_psnr": min(per_view),
@@ -295,7 +323,8 @@ def table(results: list[dict]) -> str:
         mem = "" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**30:.1f} GiB"
         ren = "" if r["render_800"] is None else f"{r['render_800']['seconds'] * 1e3:.0f} ms ({r['render_800']['size']})"
         for row in r["rows"]:
-            rows.append([r["scene"], r["method"], f"{row['budget']:g} s", row["steps"], f"{row['psnr']:.2f}",
+            rows.append([r["scene"], r["method"], f"{row['budget']:g} s" + (" (ended)" if row.get("finished") else ""),
+                         row["steps"], f"{row['psnr']:.2f}",
                          f"{row['ssim']:.4f}", f"{row['worst_view_psnr']:.2f}", f"{row['samples_per_s'] / 1e6:.1f} M",
                          f"{row['units_per_s'] / 1e6:.3f} M" if r["method"] == "nerf" else f"{row['units_per_s']:.0f}",
                          mem, ren])

@@ -88,6 +88,29 @@ def test_sampler_draws_every_pixel_alike_with_its_own_camera():
     assert chi2 < 13.8  # chi-square with 2 degrees of freedom: p = 0.001
 
 
+def test_jittered_rays_cross_their_own_pixel_and_cover_it():
+    """nerf.pixel_jitter: the same pixels and colours as without it (the pixel draw comes first),
+    each ray through a point of its own pixel, spread over the whole pixel rather than its centre."""
+    v = _views()
+    o0, d0, rgb0 = RaySampler(v, torch.Generator().manual_seed(3)).sample(20000)
+    o, d, rgb = RaySampler(v, torch.Generator().manual_seed(3), jitter=True).sample(20000)
+    assert torch.equal(rgb, rgb0) and torch.equal(o, o0) and not torch.allclose(d, d0)
+    k, row, col = (rgb * 255).round().long().unbind(-1)
+    offsets = []
+    for i, intr in enumerate(INTRS):  # back through the camera: the image point the ray crosses
+        m = k == i
+        cam = d[m] @ v.c2w[i, :3, :3]  # world -> camera (R orthonormal)
+        x = cam[:, 0] / cam[:, 2] * intr.fx + intr.cx - col[m]
+        y = cam[:, 1] / cam[:, 2] * intr.fy + intr.cy - row[m]
+        offsets.append(torch.stack([x, y], -1))
+    off = torch.cat(offsets)
+    assert bool((off > -1e-4).all()) and bool((off < 1 + 1e-4).all())  # inside the pixel [col, col + 1)
+    # uniform over it: mean 0.5, variance 1/12 per axis, and the corners reached
+    torch.testing.assert_close(off.mean(0), torch.full((2,), 0.5), atol=0.01, rtol=0)
+    torch.testing.assert_close(off.var(0), torch.full((2,), 1 / 12), atol=0.005, rtol=0)
+    assert float(off.min()) < 0.01 and float(off.max()) > 0.99
+
+
 def test_shared_size_draws_are_what_they_always_were():
     """The draw of images that share one size, bit for bit as before per-image cameras (the
     formula of d4da802's RaySampler), so the CPU `dvc repro` model does not change."""

@@ -88,6 +88,14 @@ class NerfParams:
     # Views with alpha (ingest.alpha: keep) train on a random colour per ray behind them, as
     # instant-ngp does ("auto" / "on"), or on white ("off"); they render onto white either way.
     random_background: Literal["auto", "on", "off"] | bool = "auto"
+    # Views with alpha: the box shrinks to the visual hull of their masks ("auto"; nerf/hull.py), so the
+    # hash grid, the occupancy grid and the march step cover the object instead of the loose box of the
+    # poses out (lego: a 4.03-unit cube of camera focus around a 1.3 x 2.3 x 1.4 object). "off": the box.
+    alpha_box: Literal["auto", "off"] | bool = "auto"
+    # Training rays through a uniform random point of their pixel, as instant-ngp trains (its
+    # snap_to_pixel_centers off), instead of through its centre: the field then fits each pixel's
+    # footprint rather than one point of it. Evaluation renders pixel centres either way.
+    pixel_jitter: bool = False
 
     def __post_init__(self) -> None:
         check(1 <= self.levels <= 32, "levels", "must be in 1..32", self.levels)
@@ -116,7 +124,7 @@ class NerfParams:
         check(self.near >= 0, "near", "must be >= 0", self.near)
         check(self.distortion_loss >= 0, "distortion_loss", "must be >= 0 (0 = off)", self.distortion_loss)
         check(0 <= self.appearance_dim <= 256, "appearance_dim", "must be in 0..256", self.appearance_dim)
-        for key in ("fused_render", "cuda_graph", "random_background"):
+        for key in ("fused_render", "cuda_graph", "random_background", "alpha_box"):
             switch(self, key)
 
 

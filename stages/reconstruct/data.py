@@ -342,11 +342,14 @@ class RaySampler:
         views: training images on the device where rays are wanted.
         generator: the torch generator seeded from ``seed`` and the global rank, so
             every rank draws its own rays and a rerun draws the same ones.
+        jitter: rays through a uniform random point of their pixel (with the pixel's colour, as
+            instant-ngp trains) instead of its centre; the draws for it follow the pixel draws.
     """
 
-    def __init__(self, views: PosedImages, generator: torch.Generator):
+    def __init__(self, views: PosedImages, generator: torch.Generator, jitter: bool = False):
         self.views = views
         self.gen = generator
+        self.jitter = jitter
         self.device = views.pixels.device
         self.total = int(views.pixels.shape[0])
         self.ends = views.offsets[1:].contiguous()
@@ -364,6 +367,9 @@ class RaySampler:
         W = v.cameras.width[img]
         row, col = pix // W, pix % W
         cams = v.cameras
+        if self.jitter:  # pixel_rays adds 0.5 (the centre): offsets in [-0.5, 0.5) span the pixel
+            du = torch.rand(2, n, generator=self.gen, device=self.gen.device).to(self.device) - 0.5
+            col, row = col.float() + du[0], row.float() + du[1]
         o, d = pixel_rays((cams.fx[img], cams.fy[img], cams.cx[img], cams.cy[img]), v.c2w[img], col, row)
         rgb = v.pixels[idx].float() / 255.0
         return o, d, rgb, img
