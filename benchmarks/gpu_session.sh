@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. l; default a; each about 10 min)
-# Order for the next session (as of 2026-12-03): c (fern distortion loss), d and e (30k fox and fern),
-# k (30k lego after the SH kernels); j and l ran 2026-12-03 (README "3D Gaussian Splatting"), b too.
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. v; default a; each about 10 min)
+# Order for the next session (as of 2026-12-05, when no GPU was lent): t (lego: pixel jitter and the
+# distortion loss on the exp schedule), then u and v (the profile on fox, lego and fern: the JSON of the
+# 2026-12-04 rows in README "On GPUs" was lost); parts q-s ran 2026-12-04, m-o 2026-12-03/04.
 # Every step runs only when the call's deadline (LIMIT seconds from the start, default 585) leaves
 # it the seconds it asks for; each writes <step>.log and its JSON, and steps.log says what ran,
 # what was skipped and each exit code. They are written under /tmp/gpu_session/<part> and packed
@@ -220,13 +221,18 @@ t)
     --set nerf.pixel_jitter=true --set nerf.distortion_loss=0.001 --json "$OUT/lego_jit_dist.json"
   ;;
 u)
-  # issue 17: the profile as part t left it on fox and fern (real-capture rule), one run each
-  step fox 160 python3 benchmarks/bench_nerf_quality.py --poses fox=$D/fox --budgets 30,60,120 --json "$OUT/fox.json"
-  step fern 160 python3 benchmarks/bench_nerf_quality.py --poses fern=$D/fern --budgets 30,60,120 \
-    --json "$OUT/fern.json"
-  step lego 110 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 \
+  # issue 17: the profile as committed, beside the 3DGS method in the same run, on fox and lego (part v:
+  # fern); their JSON replaces benchmarks/results/nerf_quality_H200.json's 2026-12-01 rows
+  step fox 300 python3 benchmarks/bench_nerf_quality.py --poses fox=$D/fox --budgets 30,60,120 --method 3dgs \
+    --json "$OUT/fox.json"
+  step lego 200 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 --method 3dgs \
     --json "$OUT/lego.json"
   ;;
-*) echo "gpu_session: part must be one of a to u" >&2; exit 2 ;;
+v)
+  step fern 300 python3 benchmarks/bench_nerf_quality.py --poses fern=$D/fern --budgets 30,60,120 --method 3dgs \
+    --json "$OUT/fern.json"
+  step raster 220 python3 benchmarks/bench_rasterizer.py --json "$OUT/rasterizer_H200.json"
+  ;;
+*) echo "gpu_session: part must be one of a to v" >&2; exit 2 ;;
 esac
 echo "== done"
