@@ -189,12 +189,18 @@ def train_with_snapshots(params: ReconstructParams, scene, device: torch.device,
     return out
 
 
-def evaluate(method, scene, max_views: int = 0) -> tuple[float, float, list[float]]:
+def evaluate(method, scene, max_views: int = 0, split: str = "test") -> tuple[float, float, list[float]]:
     """Mean PSNR and SSIM over the test views (RGBA ground truth composited on the scene's known colour,
-    else white, as the evaluate stage does) and the per-view PSNRs."""
-    views = scene.test
+    else white, as the evaluate stage does) and the per-view PSNRs. ``split="train"``: as many training
+    views as test views are scored (at most ``max_views``), spread evenly over the training set, for
+    the gap between what the field fits and what it predicts."""
+    views = scene.test if split == "test" else scene.train
     bg = scene.background or (1.0, 1.0, 1.0)
-    idx = list(range(len(views)))[: max_views or None]
+    if split == "test":
+        idx = list(range(len(views)))[: max_views or None]
+    else:
+        n = min(len(views), max(1, min(len(scene.test), max_views or len(scene.test))))
+        idx = sorted({round(k * (len(views) - 1) / max(1, n - 1)) for k in range(n)})
     psnrs, ssims = [], []
     for i in idx:
         gt = composite(views.image(i).float() / 255.0, bg).cpu()
@@ -267,11 +273,12 @@ def run_scene(name: str, poses: Path, method: str, args, device: torch.device) -
         if snap.get("finished"):
             print(f"  {snap['budget']:6g} s: (finished at {snap['time_s']:.1f} s, step {snap['steps']})", flush=True)
         psnr, ssim, per_view = evaluate(fresh, scene, args.max_views)
+        train_psnr = evaluate(fresh, scene, args.max_views, split="train")[0]
         t = snap["time_s"]
-        rows.append({**snap, "psnr": psnr, "ssim": ssim, "worst_view_psnr": min(per_view),
+        rows.append({**snap, "psnr": psnr, "ssim": ssim, "worst_view_psnr": min(per_view), "train_psnr": train_psnr,
                      "samples_per_s": snap["samples"] / t, "units_per_s": snap["units"] / t})
         print(f"  {snap['budget']:6g} s: step {snap['steps']:6d}, {psnr:6.2f} dB, SSIM {ssim:.4f} "
-              f"(worst view {min(per_view):.2f} dB)", flush=True)
+              f"(worst view {min(per_view):.2f} dB; training views {train_psnr:.2f} dB)", flush=True)
     timing = render_time(fresh, scene, device, args.render_side) if rows else None
     summary = run["method"].summary() if run["method"] is not None else {}
     poses_md5 = hashlib.md5((Path(poses) / "transforms.json").read_bytes()).hexdigest()  # which SfM result
@@ -313,19 +320,21 @@ def targets(results: list[dict]) -> list[tuple[str, str]]:
 
 
 def table(results: list[dict]) -> str:
-    head = ["scene", "method", "budget", "steps", "PSNR", "SSIM", "worst view", "samples/s", "rays|views/s",
-            "peak mem", "render 800"]
+    head = ["scene", "method", "budget", "steps", "PSNR", "SSIM", "worst view", "train views", "samples/s",
+            "rays|views/s", "peak mem", "render 800"]
     rows = []
     for r in results:
         if "error" in r:
-            rows.append([r["scene"], r["method"], "skipped", "", "", "", "", "", "", "", r["error"][:60]])
+            rows.append([r["scene"], r["method"], "skipped", "", "", "", "", "", "", "", "", r["error"][:60]])
             continue
         mem = "" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**30:.1f} GiB"
         ren = "" if r["render_800"] is None else f"{r['render_800']['seconds'] * 1e3:.0f} ms ({r['render_800']['size']})"
         for row in r["rows"]:
             rows.append([r["scene"], r["method"], f"{row['budget']:g} s" + (" (ended)" if row.get("finished") else ""),
                          row["steps"], f"{row['psnr']:.2f}",
-                         f"{row['ssim']:.4f}", f"{row['worst_view_psnr']:.2f}", f"{row['samples_per_s'] / 1e6:.1f} M",
+                         f"{row['ssim']:.4f}", f"{row['worst_view_psnr']:.2f}",
+                         "" if row.get("train_psnr") is None else f"{row['train_psnr']:.2f}",
+                         f"{row['samples_per_s'] / 1e6:.1f} M",
                          f"{row['units_per_s'] / 1e6:.3f} M" if r["method"] == "nerf" else f"{row['units_per_s']:.0f}",
                          mem, ren])
     cols = [head] + [[str(c) for c in r] for r in rows]
@@ -343,7 +352,8 @@ def report_rows(results: list[dict]) -> list[dict]:
         for row in r.get("rows", []):
             out.append({"scene": r["scene"], "steps": row["steps"], "impl": f"rayforge {r['method']}",
                         "budget_s": row["budget"], "train_s": row["time_s"], "psnr": row["psnr"], "ssim": row["ssim"],
-                        "worst_view_psnr": row["worst_view_psnr"], "peak_gb": None if mem is None else mem / 1e9})
+                        "worst_view_psnr": row["worst_view_psnr"], "train_views_psnr": row.get("train_psnr"),
+                        "peak_gb": None if mem is None else mem / 1e9})
     return out
 
 

@@ -35,6 +35,7 @@ def test_budgets_snapshot_one_run_and_evaluate_each(tmp_path, capsys):
     assert rows[0]["time_s"] >= 0.5 and rows[1]["time_s"] >= 1.5 and rows[1]["steps"] >= rows[0]["steps"] >= 1
     for r in rows:
         assert 0 < r["psnr"] < 60 and 0 < r["ssim"] <= 1 and r["samples_per_s"] > 0 and r["units_per_s"] > 0
+        assert 0 < r["train_psnr"] < 60  # training views scored beside the test views (the fit / predict gap)
     assert nerf["render_800"]["size"] == "32x24" and nerf["render_800"]["seconds"] > 0
     # a capture without alpha: the real-capture profile (contraction, a 25k-step exponential decay), and the
     # distortion loss exactly when its cameras go around the scene (this ring of 4 views does)
