@@ -176,11 +176,11 @@ def train_with_snapshots(params: ReconstructParams, scene, device: torch.device,
         # about 60 s of fox on an H200): those rows say so, with the time it really trained
         if todo and out["method"] is not None:
             clock.sync()
-            state = _clone(out["method"].state_dict())
-            for budget in todo:
-                out["snapshots"].append({"budget": budget, "time_s": clock.elapsed(), "steps": steps_done[0],
+            state, elapsed = _clone(out["method"].state_dict()), clock.elapsed()
+            for budget in todo:  # (a budget the last step ran past is an ordinary snapshot of it)
+                out["snapshots"].append({"budget": budget, "time_s": elapsed, "steps": steps_done[0],
                                          "samples": float(work_done[0][0]), "units": float(work_done[0][1]),
-                                         "finished": True, "state": state})
+                                         "finished": elapsed < budget, "state": state})
     except _BudgetReached:
         out["stopped"] = "budget"
     finally:
@@ -268,6 +268,7 @@ def run_scene(name: str, poses: Path, method: str, args, device: torch.device) -
     fresh = importlib.import_module("stages.reconstruct.methods").build_method(
         params, scene.aabb, device, scene.background, scene)
     rows = []
+    train_views = scene.train.to(device) if method == "nerf" else None  # for the occlusion census
     for snap in run["snapshots"]:
         fresh.load_state_dict(snap.pop("state"))
         if snap.get("finished"):
@@ -277,6 +278,11 @@ def run_scene(name: str, poses: Path, method: str, args, device: torch.device) -
         t = snap["time_s"]
         rows.append({**snap, "psnr": psnr, "ssim": ssim, "worst_view_psnr": min(per_view), "train_psnr": train_psnr,
                      "samples_per_s": snap["samples"] / t, "units_per_s": snap["units"] / t})
+        if train_views is not None:  # the step's samples behind opaque surfaces (NerfMethod.occlusion_census)
+            census = fresh.occlusion_census(train_views)
+            rows[-1]["occlusion"] = census
+            print(f"  {snap['budget']:6g} s: {census['samples_per_ray']:.1f} samples a ray, "
+                  f"{100 * census['occluded_share']:.1f} % behind T < 1e-4", flush=True)
         print(f"  {snap['budget']:6g} s: step {snap['steps']:6d}, {psnr:6.2f} dB, SSIM {ssim:.4f} "
               f"(worst view {min(per_view):.2f} dB; training views {train_psnr:.2f} dB)", flush=True)
     timing = render_time(fresh, scene, device, args.render_side) if rows else None

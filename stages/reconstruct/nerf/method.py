@@ -21,7 +21,7 @@ from .field import NerfField
 from .hull import alpha_hull_box
 from .occupancy import OccupancyGrid
 from .optim import TableAdam, WeightAverage, lr_factor
-from .render import render_packed, render_rays, render_rays_early_stop, sample_jitter
+from .render import occluded_samples, render_packed, render_rays, render_rays_early_stop, sample_jitter
 
 
 class NerfMethod:
@@ -270,6 +270,21 @@ class NerfMethod:
         rgb = composite(rgb, self.background or (1.0, 1.0, 1.0))  # RGBA views: on the known colour, else white
         pred = self.render_rays(o, d)
         return -10.0 * math.log10(max(float(torch.mean((pred - rgb) ** 2)), 1e-10))
+
+    @torch.no_grad()
+    def occlusion_census(self, views, rays: int = 8192, seed: int = 0) -> dict:
+        """How many of the samples the packed training step evaluates for ``rays`` random training rays
+        of ``views`` lie behind an opaque surface (``render.occluded_samples``): marched samples per
+        ray, the occluded share, the samples per ray before each ray's cut, and the rays a step of
+        2^18 samples (instant-ngp's) holds counting all of them or only those kept."""
+        gen = torch.Generator(device=views.pixels.device).manual_seed(seed)
+        o, d, _ = RaySampler(views, gen).sample(rays)
+        jitter = torch.rand(rays, generator=gen, device=gen.device).to(o.device)
+        got = occluded_samples(self.field, self.grid, o, d, jitter, self.step_size, self.max_steps, self.cfg.near)
+        n, kept, budget = got["samples"], float(got["kept_per_ray"].double().mean()), 1 << 18
+        return {"rays": rays, "samples": n, "samples_per_ray": n / rays, "occluded": got["occluded"],
+                "occluded_share": got["occluded"] / max(1, n), "kept_per_ray": kept,
+                "rays_per_step_all": budget / max(1e-9, n / rays), "rays_per_step_kept": budget / max(1e-9, kept)}
 
     def summary(self) -> dict:
         g = self.graphed

@@ -220,3 +220,31 @@ def render_packed(field: NerfField, grid: OccupancyGrid | None, o: torch.Tensor,
         out["num_samples"] = torch.clamp(s.total, max=capacity)
         out["total_samples"] = s.total
     return out
+
+
+@torch.no_grad()
+def occluded_samples(field: NerfField, grid: OccupancyGrid | None, o: torch.Tensor, d: torch.Tensor,
+                     jitter: torch.Tensor, step_size: float, max_samples: int, near: float = 0.0) -> dict:
+    """Of the packed samples a training step would evaluate for rays ``o``, ``d`` (marched as
+    :func:`render_packed` marches them), how many lie where the ray's transmittance has already
+    fallen below :data:`EARLY_STOP_T`, from the field's current densities.
+
+    Those samples get next to no gradient, yet the packed training step evaluates them forward and
+    backward; instant-ngp (its compacted samples) and nerfacc (``OccGridEstimator.sampling`` with a
+    ``sigma_fn``) cull them before the differentiable pass, and their sample budgets count only what
+    remains. Returns ``samples`` (marched), ``occluded`` (of those), ``kept_per_ray`` [R] (the
+    samples before each ray's cut: a prefix of its samples, as transmittance only falls) as tensors.
+    """
+    s = kernels.march_rays(o.float().contiguous(), d.float().contiguous(), jitter, field.aabb,
+                           None if grid is None else grid.mask, step_size, max_samples, near,
+                           contract=field.contract, use_kernels=field.encoding.use_kernels)
+    R = o.shape[0]
+    if s.t.numel() == 0:
+        return {"samples": 0, "occluded": 0, "kept_per_ray": torch.zeros(R, dtype=torch.int64, device=o.device)}
+    sigma = field.density(s.points).double()
+    tau = sigma * (s.steps.double() if s.steps is not None else step_size)  # each sample's optical thickness
+    csum = torch.cat([tau.new_zeros(1), torch.cumsum(tau, 0)])  # [S + 1]
+    before = csum[:-1] - torch.repeat_interleave(csum[s.offsets], s.counts.long())  # thickness in front of each
+    occluded = torch.exp(-before) < EARLY_STOP_T
+    kept = torch.zeros(R, dtype=torch.int64, device=o.device).index_add_(0, s.ray_index, (~occluded).long())
+    return {"samples": int(s.t.numel()), "occluded": int(occluded.sum()), "kept_per_ray": kept}
