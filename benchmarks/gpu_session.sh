@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. v; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. w; default a; each about 10 min)
 # Order for the next session (as of 2026-12-05, when no GPU was lent): t (lego: pixel jitter and the
-# distortion loss on the exp schedule), then u and v (the profile on fox, lego and fern: the JSON of the
+# distortion loss on the exp schedule), then w (nerf.cull_occluded), u and v (the profile on fox, lego and fern: the JSON of the
 # 2026-12-04 rows in README "On GPUs" was lost); parts q-s ran 2026-12-04, m-o 2026-12-03/04.
 # Every step runs only when the call's deadline (LIMIT seconds from the start, default 585) leaves
 # it the seconds it asks for; each writes <step>.log and its JSON, and steps.log says what ran,
@@ -233,6 +233,18 @@ v)
     --json "$OUT/fern.json"
   step raster 220 python3 benchmarks/bench_rasterizer.py --json "$OUT/rasterizer_H200.json"
   ;;
-*) echo "gpu_session: part must be one of a to v" >&2; exit 2 ;;
+w)
+  # issue 17: nerf.cull_occluded (samples behind opaque surfaces dropped before the differentiable pass,
+  # as instant-ngp and nerfacc train; eager steps, no CUDA graph) on lego and fox beside the profile;
+  # the rows' "occlusion" says how much of each step was behind a surface
+  X="--set steps=25000 --set nerf.lr_schedule=exp"
+  step lego_cull 110 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 $X \
+    --set nerf.cull_occluded=true --json "$OUT/lego_cull.json"
+  step lego_cull_jit 110 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 $X \
+    --set nerf.cull_occluded=true --set nerf.pixel_jitter=true --json "$OUT/lego_cull_jit.json"
+  step fox_cull 160 python3 benchmarks/bench_nerf_quality.py --poses fox=$D/fox --budgets 30,60,120 \
+    --set nerf.cull_occluded=true --json "$OUT/fox_cull.json"
+  ;;
+*) echo "gpu_session: part must be one of a to w" >&2; exit 2 ;;
 esac
 echo "== done"

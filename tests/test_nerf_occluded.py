@@ -58,3 +58,75 @@ def test_rays_that_miss_the_box_keep_nothing_and_break_nothing():
     got = occluded_samples(field, None, o, d, torch.full((3,), 0.5), 2.0 / 64, 1024)
     assert got["kept_per_ray"][0] == 0 and got["kept_per_ray"][2] == 0 and 0 < got["kept_per_ray"][1] < 64
     assert got["samples"] == 64 and got["occluded"] == 64 - int(got["kept_per_ray"][1])
+
+
+# ---------------------------------------------------------------- nerf.cull_occluded: training without them
+
+def _opaque_method(**nerf):
+    """A tiny NeRF whose density starts high everywhere (e^7 ~ 1100 in the box), so rays saturate
+    within a few samples and most of what they march lies behind that."""
+    from test_nerf_training import _method, _scene
+
+    scene = _scene()
+    m = _method(scene, fused_render="on", **nerf)
+    with torch.no_grad():
+        m.field.density_mlp[-1].bias[0] += 8.0
+    return m, scene
+
+
+def _rays_of(scene, n=256, seed=0):
+    from stages.reconstruct.data import RaySampler
+
+    g = torch.Generator().manual_seed(seed)
+    o, d, rgb = RaySampler(scene.train, g).sample(n)
+    return o, d, rgb, torch.rand(n, generator=g)
+
+
+def test_culled_samples_render_the_same_colours_and_gradients_with_fewer_samples():
+    from stages.reconstruct.nerf.render import render_packed
+
+    m, scene = _opaque_method()
+    o, d, rgb, jitter = _rays_of(scene)
+    args = (m.field, m.grid, o, d, jitter, m.step_size, m.max_steps, m.cfg.near)
+    grads = []
+    outs = []
+    for cull in (False, True):
+        m.field.zero_grad(set_to_none=True)
+        out = render_packed(*args, cull=cull)
+        torch.nn.functional.mse_loss(out["rgb"], rgb).backward()
+        grads.append([p.grad.clone() for p in m.field.parameters() if p.grad is not None])
+        outs.append(out)
+    full, culled = outs
+    census = occluded_samples(*args)
+    assert int(full["num_samples"]) == census["samples"]
+    assert int(culled["num_samples"]) == census["samples"] - census["occluded"] < 0.5 * census["samples"]
+    # what the cut leaves out: at most EARLY_STOP_T of light a ray, and as much of the background's share
+    torch.testing.assert_close(culled["rgb"], full["rgb"], atol=2e-4, rtol=0)
+    torch.testing.assert_close(culled["opacity"], full["opacity"], atol=1e-4, rtol=0)
+    assert len(grads[0]) == len(grads[1])
+    for g_full, g_cull in zip(*grads):  # the culled samples carried next to no gradient
+        scale = float(g_full.abs().max()) + 1e-12
+        assert float((g_full - g_cull).abs().max()) <= 1e-3 * scale
+
+
+def test_training_with_culling_follows_the_full_march_on_a_fraction_of_the_samples():
+    """The same steps with and without culling (same draws): the losses agree (the culled samples
+    carried next to no light or gradient), and the step evaluates far fewer samples (its count, which
+    target_samples budgets, is the kept samples')."""
+    from test_nerf_training import _train
+
+    runs = {}
+    for cull in (False, True):
+        m, scene = _opaque_method(cull_occluded=cull)
+        runs[cull] = (_train(m, scene, 40), int(m._last_count[0]))
+    (full, n_full), (culled, n_culled) = runs[False], runs[True]
+    torch.testing.assert_close(torch.tensor(culled), torch.tensor(full), rtol=1e-3, atol=0)
+    assert n_culled < 0.25 * n_full  # this opaque start: 230 of 3139 samples kept at the last step
+
+
+def test_culling_needs_the_packed_renderer():
+    import pytest
+    from test_nerf_training import _method, _scene
+
+    with pytest.raises(ValueError, match="cull_occluded needs the packed renderer"):
+        _method(_scene(), fused_render="off", cull_occluded=True)

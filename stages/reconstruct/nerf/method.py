@@ -41,6 +41,9 @@ class NerfMethod:
         self.background = background
         self.use_kernels = resolve_use_kernels(params.kernels, device)
         self.fused = cfg.fused_render == "on" or (cfg.fused_render == "auto" and self.use_kernels)
+        if cfg.cull_occluded and not self.fused:
+            raise ValueError("reconstruct.nerf.cull_occluded needs the packed renderer: fused_render 'on' "
+                             "(or 'auto' where the CUDA kernels run)")
         self.graphed = self._captured_step(cfg.cuda_graph, params.distributed.overlap_comm)
         step_diag = None  # the diagonal the march step divides (the box's, unless the hull replaced it)
         if scene is not None:
@@ -115,7 +118,9 @@ class NerfMethod:
         why = ("the packed renderer does not run CUDA kernels here (fused_render and use_kernels)"
                if not (self.fused and self.use_kernels) else
                "distributed.overlap_comm starts all-reduces from backward hooks, which a replayed graph skips"
-               if overlap_comm else None)
+               if overlap_comm else
+               "nerf.cull_occluded sizes its compacted samples on the host, which a replayed graph cannot"
+               if self.cfg.cull_occluded else None)
         if why is not None:
             if setting == "on":
                 raise ValueError(f"reconstruct.nerf.cuda_graph is 'on' but {why}")
@@ -171,7 +176,7 @@ class NerfMethod:
         out = render_rays(
             self.field, self.grid, o, d, self.step_size, self.max_steps,
             near=self.cfg.near, perturb=True, generator=generator, fused=self.fused, background=background,
-            appearance=appearance, distortion=self.cfg.distortion_loss > 0,
+            appearance=appearance, distortion=self.cfg.distortion_loss > 0, cull=self.cfg.cull_occluded,
         )
         mse = torch.nn.functional.mse_loss(out["rgb"], rgb)
         return self._with_distortion(mse, out)

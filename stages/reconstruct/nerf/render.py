@@ -56,6 +56,7 @@ def render_rays(
     background: torch.Tensor | None = None,
     appearance: torch.Tensor | None = None,
     distortion: bool = False,
+    cull: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Render rays [R, 3] (origins ``o``, unit directions ``d``).
 
@@ -66,6 +67,8 @@ def render_rays(
     colours while training on images with alpha); None: the field's own (learned or fixed).
     ``appearance``: each ray's appearance code [R, appearance_dim] (None: the field's mean code).
     ``distortion``: also each ray's distortion (module docstring), differentiable.
+    ``cull``: (``fused`` only) drop each ray's samples behind an opaque surface before the
+    differentiable pass (:func:`render_packed`).
 
     Returns:
         dict with ``rgb`` [R, 3], ``opacity`` [R], ``depth`` [R] and ``num_samples``
@@ -76,7 +79,7 @@ def render_rays(
     jitter = sample_jitter(R, perturb, generator, dev)  # the same draws for both paths
     if fused:
         return render_packed(field, grid, o, d, jitter, step_size, max_samples, near, background=background,
-                             appearance=appearance, distortion=distortion)
+                             appearance=appearance, distortion=distortion, cull=cull)
     if field.contract:  # linear, then uniform in disparity; each sample its own step
         t, dt, valid = march_steps_reference(o, d, jitter, field.aabb, step_size, max_samples, near, True)
     else:
@@ -191,16 +194,27 @@ def render_rays_early_stop(
 def render_packed(field: NerfField, grid: OccupancyGrid | None, o: torch.Tensor, d: torch.Tensor,
                   jitter: torch.Tensor, step_size: float, max_samples: int, near: float = 0.0,
                   capacity: int | None = None, background: torch.Tensor | None = None,
-                  appearance: torch.Tensor | None = None, distortion: bool = False) -> dict[str, torch.Tensor]:
+                  appearance: torch.Tensor | None = None, distortion: bool = False,
+                  cull: bool = False) -> dict[str, torch.Tensor]:
     """The packed-sample renderer of :func:`render_rays` (``fused=True``) with the sample jitter [R]
     given. ``capacity``: a fixed sample budget (see :func:`kernels.march_rays`): no host sync and
     the same shapes every call (what a CUDA graph needs); ``num_samples`` is then a 0-d device
     tensor (the samples evaluated; a 0-d CPU tensor without a budget) and ``total_samples`` the
-    count before the budget's cut. ``background``, ``appearance``, ``distortion``: as :func:`render_rays`."""
+    count before the budget's cut. ``background``, ``appearance``, ``distortion``: as :func:`render_rays`.
+
+    ``cull`` (no ``capacity``): the marched samples' densities are evaluated once without gradients,
+    and each ray's samples behind the point where its transmittance falls below
+    :data:`EARLY_STOP_T` are dropped before the differentiable pass (instant-ngp's compacted
+    samples, nerfacc's ``sigma_fn``): they could add at most that much light, and the step need not
+    run the field forward and backward on them. ``num_samples`` then counts the kept samples."""
     use = field.encoding.use_kernels  # the method's resolved choice: kernels here, or the references
     s = kernels.march_rays(o.float().contiguous(), d.float().contiguous(), jitter, field.aabb,
                            None if grid is None else grid.mask, step_size, max_samples, near,
                            capacity=capacity, contract=field.contract, use_kernels=use)
+    if cull:
+        if capacity is not None:
+            raise ValueError("render_packed: cull needs the march without a fixed budget (capacity=None)")
+        s = _keep_visible(s, ~_occluded(field, s, step_size))
     if s.t.numel() > 0:
         sigma, rgb = field(s.points, d_enc=sh_encode_deg4(d)[s.ray_index],
                            app=None if appearance is None else appearance[s.ray_index])
@@ -239,12 +253,31 @@ def occluded_samples(field: NerfField, grid: OccupancyGrid | None, o: torch.Tens
                            None if grid is None else grid.mask, step_size, max_samples, near,
                            contract=field.contract, use_kernels=field.encoding.use_kernels)
     R = o.shape[0]
+    occluded = _occluded(field, s, step_size)
+    kept = torch.zeros(R, dtype=torch.int64, device=o.device).index_add_(0, s.ray_index, (~occluded).long())
+    return {"samples": int(s.t.numel()), "occluded": int(occluded.sum()), "kept_per_ray": kept}
+
+
+@torch.no_grad()
+def _occluded(field: NerfField, s: kernels.Samples, step_size: float) -> torch.Tensor:
+    """[S] bool: the packed samples ``s`` (no padding rows) whose transmittance in front of them,
+    from the field's densities, is below :data:`EARLY_STOP_T`. Each ray's are a suffix of its
+    samples, as transmittance only falls along a ray."""
     if s.t.numel() == 0:
-        return {"samples": 0, "occluded": 0, "kept_per_ray": torch.zeros(R, dtype=torch.int64, device=o.device)}
+        return torch.zeros(0, dtype=torch.bool, device=s.t.device)
     sigma = field.density(s.points).double()
     tau = sigma * (s.steps.double() if s.steps is not None else step_size)  # each sample's optical thickness
     csum = torch.cat([tau.new_zeros(1), torch.cumsum(tau, 0)])  # [S + 1]
     before = csum[:-1] - torch.repeat_interleave(csum[s.offsets], s.counts.long())  # thickness in front of each
-    occluded = torch.exp(-before) < EARLY_STOP_T
-    kept = torch.zeros(R, dtype=torch.int64, device=o.device).index_add_(0, s.ray_index, (~occluded).long())
-    return {"samples": int(s.t.numel()), "occluded": int(occluded.sum()), "kept_per_ray": kept}
+    return torch.exp(-before) < EARLY_STOP_T
+
+
+def _keep_visible(s: kernels.Samples, keep: torch.Tensor) -> kernels.Samples:
+    """The packed samples ``s`` with only the rows ``keep`` [S] (a prefix of each ray's), repacked."""
+    rays = s.counts.shape[0]
+    counts = torch.zeros(rays, dtype=torch.int64, device=keep.device).index_add_(0, s.ray_index, keep.long())
+    offsets = torch.cumsum(counts, 0) - counts
+    idx = keep.nonzero(as_tuple=True)[0]
+    total = torch.tensor(idx.numel(), device=s.t.device)
+    return kernels.Samples(s.ray_index[idx], s.t[idx], s.points[idx], offsets, counts.to(s.counts.dtype), total,
+                           None if s.steps is None else s.steps[idx])
