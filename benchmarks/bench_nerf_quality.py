@@ -51,25 +51,24 @@ BUDGETS = (15.0, 30.0, 60.0, 120.0)
 
 # The GPU profile recommended for the NeRF (params.yaml's reconstruct section, then these): instant-ngp's
 # encoding (L=16, T=2^19, finest 2048 in the box) and training (2^18 samples a step with the rays
-# adapting, Adam that skips untouched table entries, its step-free learning-rate schedule, an average of
-# the weights for rendering), march steps of the box diagonal / 1024 as instant-ngp's sqrt(3)/1024 of the
-# unit cube, a 128^3 occupancy grid warmed up for 256 steps, TF32 matmuls. `steps` is only a cap here.
+# adapting, Adam that skips untouched table entries, an average of the weights for rendering), march
+# steps of the box diagonal / 1024 as instant-ngp's sqrt(3)/1024 of the unit cube, a 128^3 occupancy
+# grid warmed up for 256 steps, TF32 matmuls. Every scene trains as a 25k-step run (about what 120 s
+# holds on an H200) whose learning rate decays exponentially to lr_final over those steps; the budgets
+# are snapshots of it. With instant-ngp's step-free schedule ("ngp") fox lost 1.2 dB and fern 0.7 dB
+# from 30 s to 120 s (2026-12-01 rows of nerf_quality_H200.json), and lego in its alpha hull scored
+# 32.35 / 33.32 / 33.72 dB at 15 / 30 / 60 s against 32.50 / 33.51 / 33.88 with this (H200, 2026-12-04).
 GPU_NERF = {
     "levels": 16, "features_per_level": 2, "log2_hashmap_size": 19, "max_resolution": 2048,
-    "samples_per_ray": 1024, "occ_resolution": 128, "occ_warmup_steps": 256, "lr": 1e-2, "lr_schedule": "ngp",
+    "samples_per_ray": 1024, "occ_resolution": 128, "occ_warmup_steps": 256, "lr": 1e-2, "lr_schedule": "exp",
     "ema_decay": 0.95, "table_optimizer": "sparse", "target_samples": 1 << 18, "mlp_precision": "tf32",
     "distortion_loss": 0.0,  # instant-ngp has none; params.yaml's CPU profile does (--set nerf.distortion_loss=...)
 }
-GPU_RECONSTRUCT = {"batch_rays": 8192, "steps": 1_000_000}
+GPU_RECONSTRUCT = {"batch_rays": 8192, "steps": 25_000}
 # real captures (no alpha, no known background): the world past the box contracted into a shell around it;
 # the box then takes the middle half of the hash grid per axis, so the finest level doubles, and the march
 # step is that of instant-ngp's 512 steps across the box
-CONTRACTED_NERF = {"scene_contraction": "mipnerf360", "max_resolution": 4096, "samples_per_ray": 512,
-                   "lr_schedule": "exp"}
-# real captures are trained as a 25k-step run (about what 120 s holds on an H200) whose learning rate decays
-# exponentially to lr_final over those steps; the budgets are snapshots of it. With instant-ngp's step-free
-# schedule fox lost 1.2 dB and fern 0.7 dB from 30 s to 120 s (2026-12-01 rows of nerf_quality_H200.json).
-CONTRACTED_RECONSTRUCT = {"steps": 25_000}
+CONTRACTED_NERF = {"scene_contraction": "mipnerf360", "max_resolution": 4096, "samples_per_ray": 512}
 # captures that go around their subject (the widest angle between two views' axes at least this, fox: 98
 # degrees) get mip-NeRF 360's distortion loss at this weight, as mip-NeRF 360 uses it on its 360 scenes;
 # forward-facing ones (fern: 19 degrees) none: there it cost fern 3.8 dB at 0.001 and 13 dB at 0.01
@@ -241,7 +240,6 @@ def make_params(method: str, scene, contraction: str, sets: list[str], device: t
         real = scene.background is None and scene.train.channels == 3
         if contraction == "on" or (contraction == "auto" and real):
             data["nerf"].update(CONTRACTED_NERF)
-            data.update(CONTRACTED_RECONSTRUCT)
             if viewing_spread_deg(scene.train.c2w) >= SURROUNDING_DEG:
                 data["nerf"]["distortion_loss"] = SURROUNDING_DISTORTION
     else:
