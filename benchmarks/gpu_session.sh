@@ -238,6 +238,7 @@ w)
   # as instant-ngp and nerfacc train; eager steps, no CUDA graph) on lego and fox beside the profile;
   # the rows' "occlusion" says how much of each step was behind a surface
   X="--set steps=25000 --set nerf.lr_schedule=exp"
+  step cull_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_nerf_occluded.py tests/test_posed_images.py
   step lego_cull 110 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 $X \
     --set nerf.cull_occluded=true --json "$OUT/lego_cull.json"
   step lego_cull_jit 110 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 $X \

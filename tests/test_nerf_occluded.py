@@ -3,8 +3,10 @@ opaque surface (transmittance already below 1e-4), which the packed step evaluat
 and nerfacc cull (benchmarks/sample_waste.py, bench_nerf_quality's rows)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
+from conftest import requires_gpu
 from stages.reconstruct.config import NerfParams
 from stages.reconstruct.nerf.field import NerfField
 from stages.reconstruct.nerf.render import occluded_samples
@@ -125,8 +127,37 @@ def test_training_with_culling_follows_the_full_march_on_a_fraction_of_the_sampl
 
 
 def test_culling_needs_the_packed_renderer():
-    import pytest
     from test_nerf_training import _method, _scene
 
     with pytest.raises(ValueError, match="cull_occluded needs the packed renderer"):
         _method(_scene(), fused_render="off", cull_occluded=True)
+
+
+@requires_gpu
+@pytest.mark.gpu
+def test_culling_on_the_cuda_kernels_matches_the_full_march():
+    """The CUDA march and compositing kernels with culling: the colours of the full march within the
+    light the cut leaves out, on far fewer samples, and an eager training step with culling on (the
+    graph stays off: it cannot size the compaction)."""
+    from stages.reconstruct.config import ReconstructParams
+    from stages.reconstruct.nerf.method import NerfMethod
+    from stages.reconstruct.nerf.render import render_packed
+    from test_nerf_training import AABB, TINY, _scene
+
+    scene = _scene()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    params = ReconstructParams(nerf=NerfParams(**{**TINY, "cull_occluded": True}), steps=10, batch_rays=256,
+                               device="cuda")
+    m = NerfMethod(params, AABB.clone(), dev, None, scene)
+    assert m.use_kernels and m.fused and m.graphed is None
+    with torch.no_grad():
+        m.field.density_mlp[-1].bias[0] += 8.0
+    o, d, rgb, jitter = (t.to(dev) for t in _rays_of(scene))
+    args = (m.field, m.grid, o, d, jitter, m.step_size, m.max_steps, m.cfg.near)
+    full, culled = render_packed(*args), render_packed(*args, cull=True)
+    census = occluded_samples(*args)
+    assert int(culled["num_samples"]) == census["samples"] - census["occluded"] < 0.5 * int(full["num_samples"])
+    torch.testing.assert_close(culled["rgb"], full["rgb"], atol=2e-4, rtol=0)
+    info = m.forward_backward((o, d, rgb), torch.Generator(device=dev).manual_seed(0))
+    assert torch.isfinite(info["loss"]) and 0 < int(info["num_samples"]) < int(full["num_samples"])
