@@ -90,7 +90,7 @@ class _CaptureFails:
         class Owner(SimpleNamespace):  # a graph step holds its method weakly: the test keeps it alive
             pass
 
-        owner = Owner(device=torch.device("cpu"))
+        owner = Owner(device=torch.device("cpu"), cfg=SimpleNamespace(cull_occluded=False))
         step = Failing(owner, required=required)
         step.owner = owner
         return step
@@ -147,10 +147,10 @@ def test_march_kernel_with_a_budget_matches_the_reference(extra):
         assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
-def _method(cuda_graph: str, seed: int = 0) -> NerfMethod:
+def _method(cuda_graph: str, seed: int = 0, **kw) -> NerfMethod:
     torch.manual_seed(seed)
     nerf = NerfParams(levels=8, log2_hashmap_size=14, max_resolution=128, hidden_dim=32, samples_per_ray=128,
-                      occ_resolution=16, fused_render="on", cuda_graph=cuda_graph)
+                      occ_resolution=16, fused_render="on", cuda_graph=cuda_graph, **kw)
     return NerfMethod(ReconstructParams(nerf=nerf, steps=100), torch.tensor(AABB), torch.device("cuda"))
 
 
@@ -159,30 +159,66 @@ def _batch(step: int, rays: int = 2048):
     return o, d, (d + 1) / 2  # a colour the view-dependent head can learn
 
 
+def _train_eager_and_graphed(steps: int = 30, density_bias: float = 0.0, **nerf):
+    """The same ``steps`` training steps (same rays and jitter draws) eagerly and in a CUDA graph:
+    for each, (losses, the gradients of step 1, the method). Step 0 runs eagerly in both modes (it
+    sizes the graph's budget); step 1 is the first replay. ``density_bias`` is added to the density
+    head's output first (a denser start)."""
+    runs = []
+    for mode in ("off", "on"):
+        m = _method(mode, **nerf)
+        with torch.no_grad():
+            m.field.density_mlp[-1].bias[0] += density_bias
+        gen = torch.Generator(device="cuda").manual_seed(7)
+        losses, first_grads = [], None
+        for step in range(steps):
+            m.step_pre_forward(step, gen)
+            info = m.forward_backward(_batch(step), gen)
+            losses.append(float(info["mse"]))
+            if step == 1:
+                first_grads = [p.grad.clone() for p in m.parameters()]
+            m.optimizer_step(step, torch.zeros((), device="cuda"))
+        runs.append((losses, first_grads, m))
+    return runs
+
+
 @pytest.mark.gpu
 @requires_gpu
 def test_graph_step_gives_the_eager_gradients_and_trains_alike():
     """Same rays, same jitter draws: the replayed graph adds the eager step's gradients (up to the
     float sums of a different row count in the MLP's GEMMs) and 30 steps of training follow."""
-    runs = {}
-    for mode in ("off", "on"):
-        m = _method(mode)
-        gen = torch.Generator(device="cuda").manual_seed(7)
-        losses, first_grads = [], None
-        for step in range(30):
-            m.step_pre_forward(step, gen)
-            info = m.forward_backward(_batch(step), gen)
-            losses.append(float(info["mse"]))
-            if step == 1:  # step 0 ran eagerly in both modes (same parameters); step 1 is the first replay
-                first_grads = [p.grad.clone() for p in m.parameters()]
-            m.optimizer_step(step, torch.zeros((), device="cuda"))
-        runs[mode] = (losses, first_grads, m)
-    (l_off, g_off, _), (l_on, g_on, m_on) = runs["off"], runs["on"]
+    (l_off, g_off, _), (l_on, g_on, m_on) = _train_eager_and_graphed()
     assert m_on.graphed is not None and m_on.graphed.captures >= 1 and m_on.graphed.overflow_steps == 0
     for a, b in zip(g_on, g_off):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6 * max(1.0, float(b.abs().max())))
     assert abs(l_on[-1] - l_off[-1]) < 0.02 * l_off[-1] + 1e-4, (l_on[-5:], l_off[-5:])
     assert l_on[-1] < l_on[0]
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_graph_step_with_culling_gives_the_eager_culled_gradients_and_resizes_its_march_budget():
+    """nerf.cull_occluded in a CUDA graph (a march budget and a kept-sample budget, no host sync):
+    the first replay adds the eager culled step's gradients, 30 steps train alike, and a march budget
+    sized from a count far too small overflows once and is captured again larger."""
+    (l_off, g_off, _), (l_on, g_on, m_on) = _train_eager_and_graphed(density_bias=4.0, cull_occluded=True)
+    g = m_on.graphed
+    assert g is not None and g.cull and g.captures >= 1 and g.march_capacity > g.capacity
+    for a, b in zip(g_on, g_off):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6 * max(1.0, float(b.abs().max())))
+    assert abs(l_on[-1] - l_off[-1]) < 0.02 * l_off[-1] + 1e-4, (l_on[-5:], l_off[-5:])
+    # the march's budget: a pretended tiny count, an overflow, a larger capture
+    g.flush()  # the replays' counts read, so that the pretended one is the latest
+    g.observe_march(1000)
+    m_on.forward_backward(_batch(40), torch.Generator(device="cuda").manual_seed(1))
+    assert g.march_capacity == budget_for(1000)
+    for step in range(41, 46):
+        m_on.optimizer_step(step, torch.zeros((), device="cuda"))
+        m_on.forward_backward(_batch(step), torch.Generator(device="cuda").manual_seed(step))
+    torch.cuda.synchronize()
+    m_on.forward_backward(_batch(47), torch.Generator(device="cuda").manual_seed(2))
+    assert g.march_overflow_steps >= 1 and g.march_capacity > budget_for(1000)
+    assert m_on.summary()["cuda_graph"]["march_budget"] == g.march_capacity
 
 
 @pytest.mark.gpu

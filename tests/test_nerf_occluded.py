@@ -111,6 +111,36 @@ def test_culled_samples_render_the_same_colours_and_gradients_with_fewer_samples
         assert float((g_full - g_cull).abs().max()) <= 1e-3 * scale
 
 
+def test_culling_in_fixed_budgets_packs_what_the_eager_cull_keeps():
+    """The CUDA-graph form of culling (a fixed budget for the march, another for the kept samples, no
+    host sync): with room in both, the same colours, depths and kept count as the eager cull; with
+    too little room for the kept samples, the first ``capacity`` in ray order, later rays cut, and
+    the uncut count reported; padding rows of either budget are never kept."""
+    from stages.reconstruct.nerf.render import render_packed
+
+    m, scene = _opaque_method()
+    o, d, rgb, jitter = _rays_of(scene)
+    args = (m.field, m.grid, o, d, jitter, m.step_size, m.max_steps, m.cfg.near)
+    eager = render_packed(*args, cull=True)
+    kept = int(eager["num_samples"])
+    marched = occluded_samples(*args)["samples"]
+    roomy = render_packed(*args, cull=True, capacity=kept + 100, march_capacity=marched + 300)
+    assert int(roomy["num_samples"]) == int(roomy["total_samples"]) == kept
+    assert int(roomy["march_total"]) == marched
+    for key in ("rgb", "opacity", "depth"):
+        torch.testing.assert_close(roomy[key], eager[key], atol=1e-6, rtol=1e-6)
+    # the kept budget too small: the first rays keep their samples, the last ones lose theirs
+    tight = render_packed(*args, cull=True, capacity=kept // 2, march_capacity=marched + 300)
+    assert int(tight["num_samples"]) == kept // 2 and int(tight["total_samples"]) == kept
+    same = (tight["rgb"] - eager["rgb"]).abs().amax(-1) < 1e-6
+    assert bool(same[:10].all()) and not bool(same.all())
+    # the march's budget too small: its cut rays keep nothing past it, and nothing comes from padding
+    short = render_packed(*args, cull=True, capacity=kept + 100, march_capacity=marched // 2)
+    assert int(short["march_total"]) == marched and int(short["num_samples"]) < kept
+    with pytest.raises(ValueError, match="both capacity and march_capacity"):
+        render_packed(*args, cull=True, capacity=kept)
+
+
 def test_training_with_culling_follows_the_full_march_on_a_fraction_of_the_samples():
     """The same steps with and without culling (same draws): the losses agree (the culled samples
     carried next to no light or gradient), and the step evaluates far fewer samples (its count, which

@@ -100,9 +100,8 @@ class NerfParams:
     # density-only pass over the marched samples) before the field's differentiable pass, as
     # instant-ngp trains on its "compacted" samples and nerfacc culls with a sigma_fn; target_samples
     # then counts the kept samples, so a step holds more rays. Lego after 1000 CPU steps: 40 % of the
-    # marched samples (NerfMethod.occlusion_census). Packed renderer only (fused_render), in eager
-    # steps: the compaction's size is read on the host, which a CUDA graph cannot do, so cuda_graph
-    # "auto" stays eager with it and "on" is an error.
+    # marched samples (NerfMethod.occlusion_census). Packed renderer only (fused_render); in a CUDA
+    # graph the march and the kept samples get a fixed budget each (nerf/graph.py).
     cull_occluded: bool = False
 
     def __post_init__(self) -> None:

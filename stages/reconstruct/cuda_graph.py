@@ -121,18 +121,36 @@ class GraphStep:
 
     def _collect(self) -> None:
         """Read the counts of finished replays; wait for the oldest when the host is too far ahead."""
-        while self._pending:
-            event, host, budget = self._pending[0]
-            if len(self._pending) > MAX_AHEAD:
+        self.overflow_steps += self._drain(self._pending, self.observe, "overflow")
+
+    def _drain(self, pending: deque, observe, kind: str) -> int:
+        """Hand the counts of ``pending`` (event, pinned count, budget) whose replays have finished to
+        ``observe``, oldest first, waiting for the oldest while more than MAX_AHEAD are pending;
+        returns how many of them had outgrown their budget (each noted as ``kind``)."""
+        over = 0
+        while pending:
+            event, host, budget = pending[0]
+            if len(pending) > MAX_AHEAD:
                 event.synchronize()
             elif not event.query():
                 break
-            self._pending.popleft()
+            pending.popleft()
             count = int(host)
             if count > budget:
-                self.overflow_steps += 1
-                self._note("overflow", count, budget)
-            self.observe(count)
+                over += 1
+                self._note(kind, count, budget)
+            observe(count)
+        return over
+
+    @staticmethod
+    def _push(pending: deque, count: torch.Tensor, budget: int) -> None:
+        """Queue a replay's ``count`` (a 0-d device tensor) for :meth:`_drain`: copied to pinned host
+        memory behind the replay, with an event that says when it has arrived."""
+        host = torch.empty((), dtype=torch.int64, pin_memory=True)
+        host.copy_(count.reshape(()), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        pending.append((event, host, budget))
 
     def flush(self) -> int | None:
         """Wait for every replay and return the latest count (a host sync)."""
@@ -214,8 +232,4 @@ class GraphStep:
         self._bind_grads()
         self.graph.replay()
         self.replays += 1
-        host = torch.empty((), dtype=torch.int64, pin_memory=True)
-        host.copy_(count.reshape(()), non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._pending.append((event, host, self.capacity))
+        self._push(self._pending, count, self.capacity)

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import torch
 
+from collections import deque
+
 from ..cuda_graph import GROW_ABOVE, HEADROOM, MAX_AHEAD, QUANTUM, SHRINK_BELOW, GraphStep, budget_for
 
 __all__ = ["CapturedStep", "budget_for", "QUANTUM", "HEADROOM", "GROW_ABOVE", "SHRINK_BELOW", "MAX_AHEAD"]
@@ -62,15 +64,52 @@ class CapturedStep(GraphStep):
     def __init__(self, method, required: bool = False):
         super().__init__(method, required)
         self.rays = 0
+        # nerf.cull_occluded: the march gets a budget of its own (``capacity`` is then the kept
+        # samples'), sized and re-sized from the march's counts as the base class does its count
+        self.cull = bool(method.cfg.cull_occluded)
+        self.march_capacity = 0
+        self.march_overflow_steps = 0
+        self._need_march: int | None = None
+        self._march_pending: deque = deque()  # (event, pinned march count, march budget it ran with)
 
     # ------------------------------------------------------------------ the captured body
     def _body(self) -> tuple:
         st = self._static
         loss, info, out = self.method.packed_loss(st["o"], st["d"], st["rgb"], st["jitter"],
                                                   capacity=self.capacity, background=st.get("bg"),
-                                                  image=st.get("image"))
+                                                  image=st.get("image"),
+                                                  march_capacity=self.march_capacity if self.cull else None)
         loss.backward()
-        return info["mse"], out["num_samples"], out["total_samples"], info.get("distortion")
+        return info["mse"], out["num_samples"], out["total_samples"], info.get("distortion"), out.get("march_total")
+
+    # ------------------------------------------------------------------ the march's budget (culling)
+    def observe_march(self, count: int) -> None:
+        """The samples a step's march needed (sizes the next march budget; culling only)."""
+        self._need_march = int(count)
+
+    def _collect_march(self) -> None:
+        self.march_overflow_steps += self._drain(self._march_pending, self.observe_march, "march overflow")
+
+    def flush(self) -> int | None:
+        """The base class's flush, and the march counts' too (culling)."""
+        for event, _, _ in self._march_pending:
+            event.synchronize()
+        self._collect_march()
+        return super().flush()
+
+    def _ensure_captured(self) -> bool:
+        if self.cull:
+            self._collect_march()
+            need, cap = self._need_march, self.march_capacity
+            if need is not None and not (SHRINK_BELOW * cap <= need <= GROW_ABOVE * cap):
+                self.march_capacity = budget_for(need)
+                self.graph, self._out = None, None  # captured anew below, with both budgets
+        return super()._ensure_captured()
+
+    def _replay(self, count: torch.Tensor) -> None:
+        super()._replay(count)
+        if self.cull:
+            self._push(self._march_pending, self._out[4], self.march_capacity)
 
     # ------------------------------------------------------------------ replay
     def __call__(self, o: torch.Tensor, d: torch.Tensor, rgb: torch.Tensor, jitter: torch.Tensor,
@@ -81,6 +120,8 @@ class CapturedStep(GraphStep):
             self.flush()  # counts of the old ray count first (a rare sync)
             if self._need is not None and self.rays:  # a new ray count (target_samples): samples follow it
                 self._need = int(self._need * R / self.rays)
+                if self._need_march is not None:
+                    self._need_march = int(self._need_march * R / self.rays)
             self.graph, self._out, self.rays = None, None, R
             self._static = {"o": torch.zeros(R, 3, device=self.device), "d": torch.zeros(R, 3, device=self.device),
                             "rgb": torch.zeros(R, 3, device=self.device),
@@ -92,5 +133,5 @@ class CapturedStep(GraphStep):
         out = self._run({"o": o, "d": d, "rgb": rgb, "jitter": jitter, "bg": background, "image": image})
         if out is None:
             return None
-        mse, num, _, dist = out
+        mse, num, _, dist, _ = out
         return mse.clone(), num.clone(), None if dist is None else dist.clone()

@@ -118,9 +118,7 @@ class NerfMethod:
         why = ("the packed renderer does not run CUDA kernels here (fused_render and use_kernels)"
                if not (self.fused and self.use_kernels) else
                "distributed.overlap_comm starts all-reduces from backward hooks, which a replayed graph skips"
-               if overlap_comm else
-               "nerf.cull_occluded sizes its compacted samples on the host, which a replayed graph cannot"
-               if self.cfg.cull_occluded else None)
+               if overlap_comm else None)
         if why is not None:
             if setting == "on":
                 raise ValueError(f"reconstruct.nerf.cuda_graph is 'on' but {why}")
@@ -191,15 +189,19 @@ class NerfMethod:
         return mse + self.cfg.distortion_loss * dist, info
 
     def packed_loss(self, o, d, rgb, jitter: torch.Tensor, capacity: int | None = None,
-                    background: torch.Tensor | None = None, image: torch.Tensor | None = None):
+                    background: torch.Tensor | None = None, image: torch.Tensor | None = None,
+                    march_capacity: int | None = None):
         """(loss, info, render output) of the packed renderer with the sample ``jitter`` given and an
         optional fixed sample budget: the body of a CUDA-graph step (nerf/graph.py) and of the eager
         step that sizes its first budget. ``image``: each ray's training image (appearance codes).
-        The loss is the MSE, plus the distortion term when ``distortion_loss`` > 0."""
+        The loss is the MSE, plus the distortion term when ``distortion_loss`` > 0. With
+        ``cull_occluded`` the march has its own budget, ``march_capacity``, and ``capacity`` is the
+        kept samples' (render_packed)."""
         out = render_packed(self.field, self.grid, o, d, jitter, self.step_size, self.max_steps,
                             self.cfg.near, capacity=capacity, background=background,
                             appearance=None if image is None else self.field.appearance(image),
-                            distortion=self.cfg.distortion_loss > 0)
+                            distortion=self.cfg.distortion_loss > 0, cull=self.cfg.cull_occluded,
+                            march_capacity=march_capacity)
         loss, info = self._with_distortion(torch.nn.functional.mse_loss(out["rgb"], rgb), out)
         return loss, info, out
 
@@ -236,6 +238,8 @@ class NerfMethod:
             # no sample count yet to size the graph's budget: this step runs eagerly and gives one
             loss, info, out = self.packed_loss(o, d, rgb, jitter, background=bg, image=image)
             self.graphed.observe(int(out["num_samples"]))
+            if "march_total" in out:  # culling: the march's own budget is sized from this
+                self.graphed.observe_march(int(out["march_total"]))
         else:
             app = None if image is None else self.field.appearance(image)
             loss, info = self.loss(o, d, rgb, generator, bg, app)
@@ -296,6 +300,8 @@ class NerfMethod:
         graph = None if g is None else {
             "captures": g.captures, "budget_samples": g.capacity, "max_samples_seen": g.max_count,
             "overflow_steps": g.overflow_steps, "failed": g.failed, "events": [list(e) for e in g.events]}
+        if g is not None and g.cull:
+            graph.update(march_budget=g.march_capacity, march_overflow_steps=g.march_overflow_steps)
         out = {"kernels": self.use_kernels, "fused_render": self.fused, "cuda_graph": graph}
         if self.budget is not None:
             b = self.budget

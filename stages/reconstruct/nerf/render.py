@@ -195,26 +195,31 @@ def render_packed(field: NerfField, grid: OccupancyGrid | None, o: torch.Tensor,
                   jitter: torch.Tensor, step_size: float, max_samples: int, near: float = 0.0,
                   capacity: int | None = None, background: torch.Tensor | None = None,
                   appearance: torch.Tensor | None = None, distortion: bool = False,
-                  cull: bool = False) -> dict[str, torch.Tensor]:
+                  cull: bool = False, march_capacity: int | None = None) -> dict[str, torch.Tensor]:
     """The packed-sample renderer of :func:`render_rays` (``fused=True``) with the sample jitter [R]
     given. ``capacity``: a fixed sample budget (see :func:`kernels.march_rays`): no host sync and
     the same shapes every call (what a CUDA graph needs); ``num_samples`` is then a 0-d device
     tensor (the samples evaluated; a 0-d CPU tensor without a budget) and ``total_samples`` the
     count before the budget's cut. ``background``, ``appearance``, ``distortion``: as :func:`render_rays`.
 
-    ``cull`` (no ``capacity``): the marched samples' densities are evaluated once without gradients,
-    and each ray's samples behind the point where its transmittance falls below
-    :data:`EARLY_STOP_T` are dropped before the differentiable pass (instant-ngp's compacted
-    samples, nerfacc's ``sigma_fn``): they could add at most that much light, and the step need not
-    run the field forward and backward on them. ``num_samples`` then counts the kept samples."""
+    ``cull``: the marched samples' densities are evaluated once without gradients, and each ray's
+    samples behind the point where its transmittance falls below :data:`EARLY_STOP_T` are dropped
+    before the differentiable pass (instant-ngp's compacted samples, nerfacc's ``sigma_fn``): they
+    could add at most that much light, and the step need not run the field forward and backward on
+    them. ``num_samples`` and ``total_samples`` then count the kept samples. With a ``capacity``
+    the march gets its own fixed budget, ``march_capacity``, and the kept samples are packed into
+    ``capacity`` rows without a host sync (``march_total`` is the march's uncut count)."""
     use = field.encoding.use_kernels  # the method's resolved choice: kernels here, or the references
+    if cull and (capacity is None) != (march_capacity is None):
+        raise ValueError("render_packed: cull takes both capacity and march_capacity, or neither")
     s = kernels.march_rays(o.float().contiguous(), d.float().contiguous(), jitter, field.aabb,
                            None if grid is None else grid.mask, step_size, max_samples, near,
-                           capacity=capacity, contract=field.contract, use_kernels=use)
-    if cull:
-        if capacity is not None:
-            raise ValueError("render_packed: cull needs the march without a fixed budget (capacity=None)")
+                           capacity=march_capacity if cull else capacity, contract=field.contract, use_kernels=use)
+    march_total = s.total
+    if cull and capacity is None:
         s = _keep_visible(s, ~_occluded(field, s, step_size))
+    elif cull:
+        s = _pack_visible(field, s, step_size, capacity)
     if s.t.numel() > 0:
         sigma, rgb = field(s.points, d_enc=sh_encode_deg4(d)[s.ray_index],
                            app=None if appearance is None else appearance[s.ray_index])
@@ -233,6 +238,8 @@ def render_packed(field: NerfField, grid: OccupancyGrid | None, o: torch.Tensor,
     else:
         out["num_samples"] = torch.clamp(s.total, max=capacity)
         out["total_samples"] = s.total
+    if cull:  # the march's uncut count (a 0-d tensor): what a march budget is sized from
+        out["march_total"] = march_total if march_total is not None else out["num_samples"].clone()
     return out
 
 
@@ -259,17 +266,27 @@ def occluded_samples(field: NerfField, grid: OccupancyGrid | None, o: torch.Tens
 
 
 @torch.no_grad()
-def _occluded(field: NerfField, s: kernels.Samples, step_size: float) -> torch.Tensor:
-    """[S] bool: the packed samples ``s`` (no padding rows) whose transmittance in front of them,
-    from the field's densities, is below :data:`EARLY_STOP_T`. Each ray's are a suffix of its
-    samples, as transmittance only falls along a ray."""
-    if s.t.numel() == 0:
+def _occluded(field: NerfField, s: kernels.Samples, step_size: float, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """[S] bool: the packed samples ``s`` whose transmittance in front of them, from the field's
+    densities, is below :data:`EARLY_STOP_T`. Each ray's are a suffix of its samples, as
+    transmittance only falls along a ray. ``rows``: how many of the rows are samples (a 0-d device
+    tensor; the rest are a fixed budget's padding, never occluded); None: all of them."""
+    S = s.t.numel()
+    if S == 0:
         return torch.zeros(0, dtype=torch.bool, device=s.t.device)
     sigma = field.density(s.points).double()
     tau = sigma * (s.steps.double() if s.steps is not None else step_size)  # each sample's optical thickness
+    valid = None
+    if rows is not None:
+        valid = torch.arange(S, device=s.t.device) < rows
+        tau = torch.where(valid, tau, 0.0)
     csum = torch.cat([tau.new_zeros(1), torch.cumsum(tau, 0)])  # [S + 1]
-    before = csum[:-1] - torch.repeat_interleave(csum[s.offsets], s.counts.long())  # thickness in front of each
-    return torch.exp(-before) < EARLY_STOP_T
+    if rows is None:
+        start = torch.repeat_interleave(csum[s.offsets], s.counts.long())
+    else:  # no host sync: each row's ray's first row (rays cut off by the budget start past the end)
+        start = csum[s.offsets.clamp(max=S)][s.ray_index]
+    occluded = torch.exp(-(csum[:-1] - start)) < EARLY_STOP_T  # thickness in front of each sample
+    return occluded if valid is None else occluded & valid
 
 
 def _keep_visible(s: kernels.Samples, keep: torch.Tensor) -> kernels.Samples:
@@ -281,3 +298,25 @@ def _keep_visible(s: kernels.Samples, keep: torch.Tensor) -> kernels.Samples:
     total = torch.tensor(idx.numel(), device=s.t.device)
     return kernels.Samples(s.ray_index[idx], s.t[idx], s.points[idx], offsets, counts.to(s.counts.dtype), total,
                            None if s.steps is None else s.steps[idx])
+
+
+def _pack_visible(field: NerfField, s: kernels.Samples, step_size: float, capacity: int) -> kernels.Samples:
+    """:func:`_keep_visible` with fixed shapes and no host sync (a CUDA graph's step): the samples of
+    ``s`` (a march with a fixed budget: ``s.total`` uncut rows, zero padding after them) in front of
+    each ray's cut, packed into ``capacity`` rows in ray order; kept samples past ``capacity`` are
+    dropped and their rays' counts cut, as the march's budget does. ``total``: the kept count, uncut."""
+    S, rays, dev = s.t.numel(), s.counts.shape[0], s.t.device
+    rows = s.total.clamp(max=S)
+    keep = ~_occluded(field, s, step_size, rows) & (torch.arange(S, device=dev) < rows)
+    pos = torch.cumsum(keep.long(), 0) - 1
+    fits = keep & (pos < capacity)
+    slot = torch.where(fits, pos, capacity)  # row ``capacity``: a bin for what is not kept, cut off below
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros((capacity + 1, *x.shape[1:]))
+        return out.index_put_((slot,), x)[:capacity]
+
+    counts = torch.zeros(rays, dtype=torch.int64, device=dev).index_add_(0, s.ray_index, fits.long())
+    offsets = torch.cumsum(counts, 0) - counts
+    return kernels.Samples(pack(s.ray_index), pack(s.t), pack(s.points), offsets, counts.to(s.counts.dtype),
+                           keep.sum(), None if s.steps is None else pack(s.steps))
