@@ -96,6 +96,36 @@ class _CaptureFails:
         return step
 
 
+def test_count_read_back_takes_finished_replays_in_order_and_counts_overflows():
+    """GraphStep._drain (the read-back behind both NeRF budgets and 3DGS's): counts of replays whose
+    event has fired go to ``observe`` oldest first; an unfinished one stops the read unless more than
+    MAX_AHEAD wait, when the oldest is waited for; counts above the budget they ran with are overflows."""
+    from collections import deque
+
+    from stages.reconstruct.cuda_graph import MAX_AHEAD
+
+    class Event:
+        def __init__(self, done):
+            self.done, self.waited = done, False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.waited = self.done = True
+
+    step = _CaptureFails.make(required=False)
+    seen = []
+    pending = deque([(Event(True), torch.tensor(10), 20), (Event(True), torch.tensor(30), 20),
+                     (Event(False), torch.tensor(5), 20)])
+    assert step._drain(pending, seen.append, "overflow") == 1 and seen == [10, 30] and len(pending) == 1
+    assert step.events[-1][0] == "overflow" and step.events[-1][2:] == (30, 20)
+    late = [Event(False) for _ in range(MAX_AHEAD + 1)]
+    pending.extend((e, torch.tensor(7), 20) for e in late)  # too far ahead: the oldest are waited for
+    assert step._drain(pending, seen.append, "overflow") == 0
+    assert seen[2:] == [5, 7] and pending and not late[-1].waited
+
+
 def test_a_failed_capture_falls_back_to_eager_steps_under_auto(caplog):
     step = _CaptureFails.make(required=False)
     o, d = _rays(8, 0)
