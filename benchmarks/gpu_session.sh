@@ -211,6 +211,10 @@ t)
   # (nerf.pixel_jitter, as instant-ngp trains), with the distortion loss the surrounding captures get,
   # and with both
   X="--set steps=25000 --set nerf.lr_schedule=exp"
+  # first: the graph steps' GPU tests (2026-12-05 changed the count read-back both graphs share, and
+  # added the NeRF's second budget for nerf.cull_occluded; written without a GPU)
+  step graph_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_graph.py tests/test_gs_graph.py \
+    tests/test_nerf_occluded.py tests/test_posed_images.py
   step lego_exp 110 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 $X \
     --json "$OUT/lego_exp.json"
   step lego_jit 110 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 $X \
@@ -238,7 +242,6 @@ w)
   # as instant-ngp and nerfacc train; eager steps, no CUDA graph) on lego and fox beside the profile;
   # the rows' "occlusion" says how much of each step was behind a surface
   X="--set steps=25000 --set nerf.lr_schedule=exp"
-  step cull_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_nerf_occluded.py tests/test_posed_images.py
   step lego_cull 110 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 $X \
     --set nerf.cull_occluded=true --json "$OUT/lego_cull.json"
   step lego_cull_jit 110 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 $X \
