@@ -198,7 +198,7 @@ def evaluate(method, scene, max_views: int = 0, split: str = "test") -> tuple[fl
     if split == "test":
         idx = list(range(len(views)))[: max_views or None]
     else:
-        n = min(len(views), max(1, min(len(scene.test), max_views or len(scene.test))))
+        n = max(1, min(len(views), len(scene.test), max_views or len(views)))
         idx = sorted({round(k * (len(views) - 1) / max(1, n - 1)) for k in range(n)})
     psnrs, ssims = [], []
     for i in idx:

@@ -33,6 +33,10 @@ step() {  # step <name> <seconds it needs> <command...>
   grep -E "^\||passed|failed|memory_" "$OUT/$name.log" | tail -14
   [ $rc = 0 ] || tail -15 "$OUT/$name.log"
 }
+nq() {  # nq <name> <seconds> <bench_nerf_quality args...>: a step of it writing $OUT/<name>.json
+  local name=$1 need=$2; shift 2
+  step "$name" "$need" python3 benchmarks/bench_nerf_quality.py "$@" --json "$OUT/$name.json"
+}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 case $PART in
 a)
@@ -47,16 +51,16 @@ a)
 b)
   # issue 17: the distortion loss on the GPU profile, beside the same run without it (the fox poses of
   # 2026-12-02; on the earlier ones, without it: 26.83 / 26.81 / 26.50 dB with exp lr)
-  step nerf_fox_dist 250 python3 benchmarks/bench_nerf_quality.py --poses fox=$D/fox --budgets 30,60,120 \
-    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0.001 --json "$OUT/nerf_fox_dist.json"
-  step nerf_fox_base 250 python3 benchmarks/bench_nerf_quality.py --poses fox=$D/fox --budgets 30,60,120 \
-    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0 --json "$OUT/nerf_fox_base.json"
+  nq nerf_fox_dist 250 --poses fox=$D/fox --budgets 30,60,120 \
+    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0.001
+  nq nerf_fox_base 250 --poses fox=$D/fox --budgets 30,60,120 \
+    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0
   ;;
 c)
-  step nerf_fern_dist 250 python3 benchmarks/bench_nerf_quality.py --poses fern=$D/fern --budgets 30,60,120 \
-    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0.001 --json "$OUT/nerf_fern_dist.json"
-  step nerf_fern_base 250 python3 benchmarks/bench_nerf_quality.py --poses fern=$D/fern --budgets 30,60,120 \
-    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0 --json "$OUT/nerf_fern_base.json"
+  nq nerf_fern_dist 250 --poses fern=$D/fern --budgets 30,60,120 \
+    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0.001
+  nq nerf_fern_base 250 --poses fern=$D/fern --budgets 30,60,120 \
+    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0
   ;;
 d)
   # issue 16: the 30k rows of fox on this session's poses out, with the memory fix
@@ -146,63 +150,59 @@ m)
   # fern with it on the GPU profile (exp lr over 25k steps; fern diverged with the unfused term)
   step render_tests 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_render_kernels.py \
     tests/test_nerf_distortion.py
-  step nerf_fox_dist 230 python3 benchmarks/bench_nerf_quality.py --poses fox=$D/fox --budgets 30,60,120 \
-    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0.001 --json "$OUT/nerf_fox_dist.json"
-  step nerf_fern_dist 230 python3 benchmarks/bench_nerf_quality.py --poses fern=$D/fern --budgets 30,60,120 \
-    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0.001 --json "$OUT/nerf_fern_dist.json"
+  nq nerf_fox_dist 230 --poses fox=$D/fox --budgets 30,60,120 \
+    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0.001
+  nq nerf_fern_dist 230 --poses fern=$D/fern --budgets 30,60,120 \
+    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0.001
   ;;
 n)
   # issue 17: the 3DGS method at 30 / 60 / 120 s on the same poses outs (the "within 1 dB" target), and
   # the NeRF on fox without the distortion term (the like-for-like row on these poses)
-  step gs_fox_fern 300 python3 benchmarks/bench_nerf_quality.py --poses fox=$D/fox --poses fern=$D/fern \
-    --budgets 30,60,120 --method 3dgs --no-nerf --json "$OUT/gs_fox_fern.json"
-  step nerf_fox_base 230 python3 benchmarks/bench_nerf_quality.py --poses fox=$D/fox --budgets 30,60,120 \
-    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0 --json "$OUT/nerf_fox_base.json"
+  nq gs_fox_fern 300 --poses fox=$D/fox --poses fern=$D/fern \
+    --budgets 30,60,120 --method 3dgs --no-nerf
+  nq nerf_fox_base 230 --poses fox=$D/fox --budgets 30,60,120 \
+    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0
   ;;
 o)
   # issue 17: the distortion loss in the march coordinate u (linear, then linear in disparity) instead
   # of metric t, which collapsed fern to 20.3 dB in part m: fern and fox again
   step render_tests 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_render_kernels.py \
     tests/test_nerf_distortion.py
-  step nerf_fern_udist 140 python3 benchmarks/bench_nerf_quality.py --poses fern=$D/fern --budgets 30,60,120 \
-    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0.001 --json "$OUT/nerf_fern_udist.json"
-  step nerf_fox_udist 140 python3 benchmarks/bench_nerf_quality.py --poses fox=$D/fox --budgets 30,60,120 \
-    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0.001 --json "$OUT/nerf_fox_udist.json"
-  step nerf_fern_udist01 140 python3 benchmarks/bench_nerf_quality.py --poses fern=$D/fern --budgets 30,60,120 \
-    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0.01 --json "$OUT/nerf_fern_udist01.json"
+  nq nerf_fern_udist 140 --poses fern=$D/fern --budgets 30,60,120 \
+    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0.001
+  nq nerf_fox_udist 140 --poses fox=$D/fox --budgets 30,60,120 \
+    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0.001
+  nq nerf_fern_udist01 140 --poses fern=$D/fern --budgets 30,60,120 \
+    --set steps=25000 --set nerf.lr_schedule=exp --set nerf.distortion_loss=0.01
   ;;
 q)
   # issue 17: lego in the visual hull of its alpha masks (nerf.alpha_box: auto, 13 % of the box's volume)
   # beside the same profile in the poses out's box; then fox with the real-capture profile (exp lr over
   # 25k steps, distortion 0.001 because its views go around it) beside the 3DGS method, in one run
-  step lego_hull 150 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 \
-    --json "$OUT/lego_hull.json"
-  step lego_box 150 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 \
-    --set nerf.alpha_box=off --json "$OUT/lego_box.json"
-  step fox 300 python3 benchmarks/bench_nerf_quality.py --poses fox=$D/fox --budgets 30,60,120 --method 3dgs \
-    --json "$OUT/fox.json"
+  nq lego_hull 150 --poses lego=$D/lego --budgets 15,30,60
+  nq lego_box 150 --poses lego=$D/lego --budgets 15,30,60 \
+    --set nerf.alpha_box=off
+  nq fox 300 --poses fox=$D/fox --budgets 30,60,120 --method 3dgs
   ;;
 r)
   # issue 17: fern with the real-capture profile (no distortion: forward-facing) beside the 3DGS method;
   # lego in the hull (part q: 0.3-0.8 dB worse, with 1.9 times the samples a ray) with the march step of
   # the poses out's box (1024 x 0.82 / 1.51 samples across the hull's diagonal); the 3DGS method on lego
-  step fern 300 python3 benchmarks/bench_nerf_quality.py --poses fern=$D/fern --budgets 30,60,120 --method 3dgs \
-    --json "$OUT/fern.json"
-  step lego_hull_step 110 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 \
-    --set nerf.samples_per_ray=555 --json "$OUT/lego_hull_step.json"
-  step lego_3dgs 130 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 \
-    --method 3dgs --no-nerf --json "$OUT/lego_3dgs.json"
+  nq fern 300 --poses fern=$D/fern --budgets 30,60,120 --method 3dgs
+  nq lego_hull_step 110 --poses lego=$D/lego --budgets 15,30,60 \
+    --set nerf.samples_per_ray=555
+  nq lego_3dgs 130 --poses lego=$D/lego --budgets 15,30,60 \
+    --method 3dgs --no-nerf
   ;;
 s)
   # issue 17: lego in the hull with the box's march step as the code now does it, the exp schedule over 25k
   # steps on top, and a 2^21-entry table on top of the profile (the hull makes the finest level 1.5-2.4
   # times finer per axis); issue 15: the rasterizer table again on this code
-  step lego 110 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 \
-    --json "$OUT/lego.json"
-  step lego_exp 110 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 \
-    --set steps=25000 --set nerf.lr_schedule=exp --json "$OUT/lego_exp.json"
-  step lego_t21 110 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 \
-    --set nerf.log2_hashmap_size=21 --json "$OUT/lego_t21.json"
+  nq lego 110 --poses lego=$D/lego --budgets 15,30,60
+  nq lego_exp 110 --poses lego=$D/lego --budgets 15,30,60 \
+    --set steps=25000 --set nerf.lr_schedule=exp
+  nq lego_t21 110 --poses lego=$D/lego --budgets 15,30,60 \
+    --set nerf.log2_hashmap_size=21
   step raster 220 python3 benchmarks/bench_rasterizer.py --json "$OUT/rasterizer_H200.json"
   ;;
 t)
@@ -215,26 +215,22 @@ t)
   # added the NeRF's second budget for nerf.cull_occluded; written without a GPU)
   step graph_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_graph.py tests/test_gs_graph.py \
     tests/test_nerf_occluded.py tests/test_posed_images.py
-  step lego_exp 110 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 $X \
-    --json "$OUT/lego_exp.json"
-  step lego_jit 110 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 $X \
-    --set nerf.pixel_jitter=true --json "$OUT/lego_jit.json"
-  step lego_dist 110 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 $X \
-    --set nerf.distortion_loss=0.001 --json "$OUT/lego_dist.json"
-  step lego_jit_dist 110 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 $X \
-    --set nerf.pixel_jitter=true --set nerf.distortion_loss=0.001 --json "$OUT/lego_jit_dist.json"
+  nq lego_exp 110 --poses lego=$D/lego --budgets 15,30,60 $X
+  nq lego_jit 110 --poses lego=$D/lego --budgets 15,30,60 $X \
+    --set nerf.pixel_jitter=true
+  nq lego_dist 110 --poses lego=$D/lego --budgets 15,30,60 $X \
+    --set nerf.distortion_loss=0.001
+  nq lego_jit_dist 110 --poses lego=$D/lego --budgets 15,30,60 $X \
+    --set nerf.pixel_jitter=true --set nerf.distortion_loss=0.001
   ;;
 u)
   # issue 17: the profile as committed, beside the 3DGS method in the same run, on fox and lego (part v:
   # fern); their JSON replaces benchmarks/results/nerf_quality_H200.json's 2026-12-01 rows
-  step fox 300 python3 benchmarks/bench_nerf_quality.py --poses fox=$D/fox --budgets 30,60,120 --method 3dgs \
-    --json "$OUT/fox.json"
-  step lego 200 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 --method 3dgs \
-    --json "$OUT/lego.json"
+  nq fox 300 --poses fox=$D/fox --budgets 30,60,120 --method 3dgs
+  nq lego 200 --poses lego=$D/lego --budgets 15,30,60 --method 3dgs
   ;;
 v)
-  step fern 300 python3 benchmarks/bench_nerf_quality.py --poses fern=$D/fern --budgets 30,60,120 --method 3dgs \
-    --json "$OUT/fern.json"
+  nq fern 300 --poses fern=$D/fern --budgets 30,60,120 --method 3dgs
   step raster 220 python3 benchmarks/bench_rasterizer.py --json "$OUT/rasterizer_H200.json"
   ;;
 w)
@@ -242,12 +238,12 @@ w)
   # as instant-ngp and nerfacc train; eager steps, no CUDA graph) on lego and fox beside the profile;
   # the rows' "occlusion" says how much of each step was behind a surface
   X="--set steps=25000 --set nerf.lr_schedule=exp"
-  step lego_cull 110 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 $X \
-    --set nerf.cull_occluded=true --json "$OUT/lego_cull.json"
-  step lego_cull_jit 110 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15,30,60 $X \
-    --set nerf.cull_occluded=true --set nerf.pixel_jitter=true --json "$OUT/lego_cull_jit.json"
-  step fox_cull 160 python3 benchmarks/bench_nerf_quality.py --poses fox=$D/fox --budgets 30,60,120 \
-    --set nerf.cull_occluded=true --json "$OUT/fox_cull.json"
+  nq lego_cull 110 --poses lego=$D/lego --budgets 15,30,60 $X \
+    --set nerf.cull_occluded=true
+  nq lego_cull_jit 110 --poses lego=$D/lego --budgets 15,30,60 $X \
+    --set nerf.cull_occluded=true --set nerf.pixel_jitter=true
+  nq fox_cull 160 --poses fox=$D/fox --budgets 30,60,120 \
+    --set nerf.cull_occluded=true
   ;;
 *) echo "gpu_session: part must be one of a to w" >&2; exit 2 ;;
 esac

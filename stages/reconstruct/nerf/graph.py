@@ -29,9 +29,9 @@ Capturing costs three eager steps (two warm-ups and the capture); the runs measu
 """
 from __future__ import annotations
 
-import torch
-
 from collections import deque
+
+import torch
 
 from ..cuda_graph import GROW_ABOVE, HEADROOM, MAX_AHEAD, QUANTUM, SHRINK_BELOW, GraphStep, budget_for
 

@@ -41,6 +41,11 @@ def _pyramid(alpha: torch.Tensor) -> torch.Tensor:
     return torch.stack(levels)
 
 
+def _cell_ijk(idx: torch.Tensor, resolution: int) -> torch.Tensor:
+    """[N, 3] grid coordinates of flat cell indices (x slowest, z fastest)."""
+    return torch.stack([idx // (resolution * resolution), (idx // resolution) % resolution, idx % resolution], -1)
+
+
 @torch.no_grad()
 def alpha_hull_box(views: PosedImages, aabb: torch.Tensor, resolution: int = 64, pad_cells: float = 2.0,
                    empty: float = 2 / 255, device: torch.device | str | None = None,
@@ -79,9 +84,7 @@ def alpha_hull_box(views: PosedImages, aabb: torch.Tensor, resolution: int = 64,
         R, t = w2c[i, :3, :3], w2c[i, :3, 3]
         for a in range(0, n, chunk):
             idx = torch.arange(a, min(n, a + chunk), device=dev)
-            ijk = torch.stack([idx // (resolution * resolution), (idx // resolution) % resolution,
-                               idx % resolution], -1)
-            x = lo + axis[ijk] * cell
+            x = lo + axis[_cell_ijk(idx, resolution)] * cell
             c = x @ R.T + t
             z = c[:, 2]
             seen = z > 1e-6
@@ -112,8 +115,7 @@ def alpha_hull_box(views: PosedImages, aabb: torch.Tensor, resolution: int = 64,
     if len(idx) == 0:  # the poses and the masks disagree; take what some view sees
         k = 1
         idx = (keep & (seen_by >= 1)).nonzero()[:, 0]
-    ijk = torch.stack([idx // (resolution * resolution), (idx // resolution) % resolution,
-                       idx % resolution], -1).float()
+    ijk = _cell_ijk(idx, resolution).float()
     pad = (0.5 + pad_cells) * cell
     box = torch.stack([torch.maximum(lo + (ijk.min(0).values + 0.5) * cell - pad, lo),
                        torch.minimum(lo + (ijk.max(0).values + 0.5) * cell + pad, hi)])

@@ -212,14 +212,10 @@ def render_packed(field: NerfField, grid: OccupancyGrid | None, o: torch.Tensor,
     use = field.encoding.use_kernels  # the method's resolved choice: kernels here, or the references
     if cull and (capacity is None) != (march_capacity is None):
         raise ValueError("render_packed: cull takes both capacity and march_capacity, or neither")
-    s = kernels.march_rays(o.float().contiguous(), d.float().contiguous(), jitter, field.aabb,
-                           None if grid is None else grid.mask, step_size, max_samples, near,
-                           capacity=march_capacity if cull else capacity, contract=field.contract, use_kernels=use)
+    s = _march(field, grid, o, d, jitter, step_size, max_samples, near, march_capacity if cull else capacity)
     march_total = s.total
-    if cull and capacity is None:
-        s = _keep_visible(s, ~_occluded(field, s, step_size))
-    elif cull:
-        s = _pack_visible(field, s, step_size, capacity)
+    if cull:
+        s = _pack_visible(s, _visible(field, s, step_size), capacity)
     if s.t.numel() > 0:
         sigma, rgb = field(s.points, d_enc=sh_encode_deg4(d)[s.ray_index],
                            app=None if appearance is None else appearance[s.ray_index])
@@ -239,7 +235,7 @@ def render_packed(field: NerfField, grid: OccupancyGrid | None, o: torch.Tensor,
         out["num_samples"] = torch.clamp(s.total, max=capacity)
         out["total_samples"] = s.total
     if cull:  # the march's uncut count (a 0-d tensor): what a march budget is sized from
-        out["march_total"] = march_total if march_total is not None else out["num_samples"].clone()
+        out["march_total"] = march_total
     return out
 
 
@@ -256,58 +252,46 @@ def occluded_samples(field: NerfField, grid: OccupancyGrid | None, o: torch.Tens
     remains. Returns ``samples`` (marched), ``occluded`` (of those), ``kept_per_ray`` [R] (the
     samples before each ray's cut: a prefix of its samples, as transmittance only falls) as tensors.
     """
-    s = kernels.march_rays(o.float().contiguous(), d.float().contiguous(), jitter, field.aabb,
-                           None if grid is None else grid.mask, step_size, max_samples, near,
-                           contract=field.contract, use_kernels=field.encoding.use_kernels)
-    R = o.shape[0]
-    occluded = _occluded(field, s, step_size)
-    kept = torch.zeros(R, dtype=torch.int64, device=o.device).index_add_(0, s.ray_index, (~occluded).long())
-    return {"samples": int(s.t.numel()), "occluded": int(occluded.sum()), "kept_per_ray": kept}
+    s = _march(field, grid, o, d, jitter, step_size, max_samples, near)
+    visible = _visible(field, s, step_size)
+    kept = torch.zeros(o.shape[0], dtype=torch.int64, device=o.device).index_add_(0, s.ray_index, visible.long())
+    return {"samples": int(s.t.numel()), "occluded": int(s.t.numel() - visible.sum()), "kept_per_ray": kept}
+
+
+def _march(field: NerfField, grid: OccupancyGrid | None, o: torch.Tensor, d: torch.Tensor, jitter: torch.Tensor,
+           step_size: float, max_samples: int, near: float, capacity: int | None = None) -> kernels.Samples:
+    """The packed samples of rays ``o``, ``d`` through ``field``'s box and ``grid``'s occupied cells."""
+    return kernels.march_rays(o.float().contiguous(), d.float().contiguous(), jitter, field.aabb,
+                              None if grid is None else grid.mask, step_size, max_samples, near,
+                              capacity=capacity, contract=field.contract, use_kernels=field.encoding.use_kernels)
 
 
 @torch.no_grad()
-def _occluded(field: NerfField, s: kernels.Samples, step_size: float, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """[S] bool: the packed samples ``s`` whose transmittance in front of them, from the field's
-    densities, is below :data:`EARLY_STOP_T`. Each ray's are a suffix of its samples, as
-    transmittance only falls along a ray. ``rows``: how many of the rows are samples (a 0-d device
-    tensor; the rest are a fixed budget's padding, never occluded); None: all of them."""
+def _visible(field: NerfField, s: kernels.Samples, step_size: float) -> torch.Tensor:
+    """[S] bool: the rows of the packed samples ``s`` that are samples (a fixed budget's padding past
+    ``s.total`` is not) with a transmittance in front of them, from the field's densities, of at least
+    :data:`EARLY_STOP_T`: a prefix of each ray's samples, as transmittance only falls along a ray.
+    No host sync (a CUDA graph's step computes it too)."""
     S = s.t.numel()
     if S == 0:
         return torch.zeros(0, dtype=torch.bool, device=s.t.device)
+    valid = torch.arange(S, device=s.t.device) < s.total.clamp(max=S)
     sigma = field.density(s.points).double()
     tau = sigma * (s.steps.double() if s.steps is not None else step_size)  # each sample's optical thickness
-    valid = None
-    if rows is not None:
-        valid = torch.arange(S, device=s.t.device) < rows
-        tau = torch.where(valid, tau, 0.0)
-    csum = torch.cat([tau.new_zeros(1), torch.cumsum(tau, 0)])  # [S + 1]
-    if rows is None:
-        start = torch.repeat_interleave(csum[s.offsets], s.counts.long())
-    else:  # no host sync: each row's ray's first row (rays cut off by the budget start past the end)
-        start = csum[s.offsets.clamp(max=S)][s.ray_index]
-    occluded = torch.exp(-(csum[:-1] - start)) < EARLY_STOP_T  # thickness in front of each sample
-    return occluded if valid is None else occluded & valid
+    csum = torch.cat([tau.new_zeros(1), torch.cumsum(torch.where(valid, tau, 0.0), 0)])  # [S + 1]
+    start = csum[s.offsets.clamp(max=S)][s.ray_index]  # at each row's ray's first row (cut rays: past the end)
+    return valid & (torch.exp(-(csum[:-1] - start)) >= EARLY_STOP_T)  # thickness in front of each sample
 
 
-def _keep_visible(s: kernels.Samples, keep: torch.Tensor) -> kernels.Samples:
-    """The packed samples ``s`` with only the rows ``keep`` [S] (a prefix of each ray's), repacked."""
-    rays = s.counts.shape[0]
-    counts = torch.zeros(rays, dtype=torch.int64, device=keep.device).index_add_(0, s.ray_index, keep.long())
-    offsets = torch.cumsum(counts, 0) - counts
-    idx = keep.nonzero(as_tuple=True)[0]
-    total = torch.tensor(idx.numel(), device=s.t.device)
-    return kernels.Samples(s.ray_index[idx], s.t[idx], s.points[idx], offsets, counts.to(s.counts.dtype), total,
-                           None if s.steps is None else s.steps[idx])
-
-
-def _pack_visible(field: NerfField, s: kernels.Samples, step_size: float, capacity: int) -> kernels.Samples:
-    """:func:`_keep_visible` with fixed shapes and no host sync (a CUDA graph's step): the samples of
-    ``s`` (a march with a fixed budget: ``s.total`` uncut rows, zero padding after them) in front of
-    each ray's cut, packed into ``capacity`` rows in ray order; kept samples past ``capacity`` are
-    dropped and their rays' counts cut, as the march's budget does. ``total``: the kept count, uncut."""
-    S, rays, dev = s.t.numel(), s.counts.shape[0], s.t.device
-    rows = s.total.clamp(max=S)
-    keep = ~_occluded(field, s, step_size, rows) & (torch.arange(S, device=dev) < rows)
+def _pack_visible(s: kernels.Samples, keep: torch.Tensor, capacity: int | None) -> kernels.Samples:
+    """The rows ``keep`` [S] of the packed samples ``s`` (a prefix of each ray's), packed in ray order
+    into ``capacity`` rows without a host sync (a CUDA graph's step; kept samples past ``capacity``
+    are dropped and their rays' counts cut, as the march's budget does, and rows past the kept ones
+    are zeros), or into exactly as many rows as are kept (None: one host read). ``total``: the kept
+    count, uncut."""
+    rays, dev = s.counts.shape[0], s.t.device
+    total = keep.sum()
+    capacity = int(total) if capacity is None else capacity
     pos = torch.cumsum(keep.long(), 0) - 1
     fits = keep & (pos < capacity)
     slot = torch.where(fits, pos, capacity)  # row ``capacity``: a bin for what is not kept, cut off below
@@ -319,4 +303,4 @@ def _pack_visible(field: NerfField, s: kernels.Samples, step_size: float, capaci
     counts = torch.zeros(rays, dtype=torch.int64, device=dev).index_add_(0, s.ray_index, fits.long())
     offsets = torch.cumsum(counts, 0) - counts
     return kernels.Samples(pack(s.ray_index), pack(s.t), pack(s.points), offsets, counts.to(s.counts.dtype),
-                           keep.sum(), None if s.steps is None else pack(s.steps))
+                           total, None if s.steps is None else pack(s.steps))
