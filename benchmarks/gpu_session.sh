@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. w; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z; default a; each about 10 min)
 # Order for the next session (as of 2026-12-05, when no GPU was lent): t (lego: pixel jitter and the
 # distortion loss on the exp schedule), then w (nerf.cull_occluded), u and v (the profile on fox, lego and fern: the JSON of the
 # 2026-12-04 rows in README "On GPUs" was lost); parts q-s ran 2026-12-04, m-o 2026-12-03/04.
@@ -245,6 +245,27 @@ w)
   nq fox_cull 160 --poses fox=$D/fox --budgets 30,60,120 \
     --set nerf.cull_occluded=true
   ;;
-*) echo "gpu_session: part must be one of a to w" >&2; exit 2 ;;
+x)
+  # 2026-12-05: the graph steps' GPU tests first (the count read-back both graphs share and the NeRF's
+  # second budget for nerf.cull_occluded were written without a GPU); then lego with the profile beside
+  # the 3DGS method (the lost JSON of 2026-12-04), with pixel jitter, and with culling
+  step graph_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_graph.py tests/test_gs_graph.py \
+    tests/test_nerf_occluded.py tests/test_posed_images.py
+  nq lego 200 --poses lego=$D/lego --budgets 15,30,60 --method 3dgs
+  nq lego_jit 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.pixel_jitter=true
+  nq lego_cull 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.cull_occluded=true
+  ;;
+y)
+  # fox and fern with the profile beside the 3DGS method (their 30k steps end before 120 s)
+  nq fox 270 --poses fox=$D/fox --budgets 30,60,120 --method 3dgs
+  nq fern 260 --poses fern=$D/fern --budgets 30,60,120 --method 3dgs
+  ;;
+z)
+  # nerf.cull_occluded on fox; lego with culling and pixel jitter together
+  nq fox_cull 160 --poses fox=$D/fox --budgets 30,60,120 --set nerf.cull_occluded=true
+  nq lego_cull_jit 110 --poses lego=$D/lego --budgets 15,30,60 \
+    --set nerf.cull_occluded=true --set nerf.pixel_jitter=true
+  ;;
+*) echo "gpu_session: part must be one of a to z" >&2; exit 2 ;;
 esac
 echo "== done"
