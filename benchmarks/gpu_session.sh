@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z; default a; each about 10 min)
-# Order for the next session (as of 2026-12-05, when no GPU was lent): t (lego: pixel jitter and the
-# distortion loss on the exp schedule), then w (nerf.cull_occluded), u and v (the profile on fox, lego and fern: the JSON of the
-# 2026-12-04 rows in README "On GPUs" was lost); parts q-s ran 2026-12-04, m-o 2026-12-03/04.
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. o, q .. s, x .. z; default a; each about 10 min)
+# Order for the next session (as of 2026-12-05, when no GPU started): x (the graph steps' GPU tests,
+# then lego: the profile beside 3DGS, pixel jitter, nerf.cull_occluded), y (fox and fern beside 3DGS: the
+# JSON of the 2026-12-04 rows in README "On GPUs" was lost), z (culling on fox, culling + jitter on lego);
+# parts q-s ran 2026-12-04, m-o 2026-12-03/04; the earlier parts are the commands the results JSONs cite.
 # Every step runs only when the call's deadline (LIMIT seconds from the start, default 585) leaves
 # it the seconds it asks for; each writes <step>.log and its JSON, and steps.log says what ran,
 # what was skipped and each exit code. They are written under /tmp/gpu_session/<part> and packed
@@ -205,46 +206,6 @@ s)
     --set nerf.log2_hashmap_size=21
   step raster 220 python3 benchmarks/bench_rasterizer.py --json "$OUT/rasterizer_H200.json"
   ;;
-t)
-  # issue 17: lego's per-step quality (33.9 dB at 60 s against instant-ngp's 35.7). In one call, the
-  # exp schedule over 25k steps (part s's best) alone, with rays through random points of their pixels
-  # (nerf.pixel_jitter, as instant-ngp trains), with the distortion loss the surrounding captures get,
-  # and with both
-  X="--set steps=25000 --set nerf.lr_schedule=exp"
-  # first: the graph steps' GPU tests (2026-12-05 changed the count read-back both graphs share, and
-  # added the NeRF's second budget for nerf.cull_occluded; written without a GPU)
-  step graph_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_graph.py tests/test_gs_graph.py \
-    tests/test_nerf_occluded.py tests/test_posed_images.py
-  nq lego_exp 110 --poses lego=$D/lego --budgets 15,30,60 $X
-  nq lego_jit 110 --poses lego=$D/lego --budgets 15,30,60 $X \
-    --set nerf.pixel_jitter=true
-  nq lego_dist 110 --poses lego=$D/lego --budgets 15,30,60 $X \
-    --set nerf.distortion_loss=0.001
-  nq lego_jit_dist 110 --poses lego=$D/lego --budgets 15,30,60 $X \
-    --set nerf.pixel_jitter=true --set nerf.distortion_loss=0.001
-  ;;
-u)
-  # issue 17: the profile as committed, beside the 3DGS method in the same run, on fox and lego (part v:
-  # fern); their JSON replaces benchmarks/results/nerf_quality_H200.json's 2026-12-01 rows
-  nq fox 300 --poses fox=$D/fox --budgets 30,60,120 --method 3dgs
-  nq lego 200 --poses lego=$D/lego --budgets 15,30,60 --method 3dgs
-  ;;
-v)
-  nq fern 300 --poses fern=$D/fern --budgets 30,60,120 --method 3dgs
-  step raster 220 python3 benchmarks/bench_rasterizer.py --json "$OUT/rasterizer_H200.json"
-  ;;
-w)
-  # issue 17: nerf.cull_occluded (samples behind opaque surfaces dropped before the differentiable pass,
-  # as instant-ngp and nerfacc train; eager steps, no CUDA graph) on lego and fox beside the profile;
-  # the rows' "occlusion" says how much of each step was behind a surface
-  X="--set steps=25000 --set nerf.lr_schedule=exp"
-  nq lego_cull 110 --poses lego=$D/lego --budgets 15,30,60 $X \
-    --set nerf.cull_occluded=true
-  nq lego_cull_jit 110 --poses lego=$D/lego --budgets 15,30,60 $X \
-    --set nerf.cull_occluded=true --set nerf.pixel_jitter=true
-  nq fox_cull 160 --poses fox=$D/fox --budgets 30,60,120 \
-    --set nerf.cull_occluded=true
-  ;;
 x)
   # 2026-12-05: the graph steps' GPU tests first (the count read-back both graphs share and the NeRF's
   # second budget for nerf.cull_occluded were written without a GPU); then lego with the profile beside
@@ -266,6 +227,6 @@ z)
   nq lego_cull_jit 110 --poses lego=$D/lego --budgets 15,30,60 \
     --set nerf.cull_occluded=true --set nerf.pixel_jitter=true
   ;;
-*) echo "gpu_session: part must be one of a to z" >&2; exit 2 ;;
+*) echo "gpu_session: part must be one of a-o, q-s, x-z" >&2; exit 2 ;;
 esac
 echo "== done"
