@@ -333,8 +333,9 @@ def table(results: list[dict]) -> str:
             continue
         mem = "" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**30:.1f} GiB"
         ren = "" if r["render_800"] is None else f"{r['render_800']['seconds'] * 1e3:.0f} ms ({r['render_800']['size']})"
+        method = r["method"] + (f" ({r['variant']})" if r.get("variant") else "")
         for row in r["rows"]:
-            rows.append([r["scene"], r["method"], f"{row['budget']:g} s" + (" (ended)" if row.get("finished") else ""),
+            rows.append([r["scene"], method, f"{row['budget']:g} s" + (" (ended)" if row.get("finished") else ""),
                          row["steps"], f"{row['psnr']:.2f}",
                          f"{row['ssim']:.4f}", f"{row['worst_view_psnr']:.2f}",
                          "" if row.get("train_psnr") is None else f"{row['train_psnr']:.2f}",
@@ -361,9 +362,46 @@ def report_rows(results: list[dict]) -> list[dict]:
     return out
 
 
+PROTOCOL = ("in one run per scene (bench_nerf_quality.py): the model snapshotted as its training clock passed each "
+            "budget; 'train s' is that budget's training time, every test view scored.")
+
+
+def document(gpu: str, budgets, results: list[dict], sets: dict | None = None) -> dict:
+    """The JSON this script writes (the report's benchmark appendix reads ``rows``)."""
+    return {"gpu": gpu, "torch": torch.__version__, "budgets": budgets,
+            "environment": {"gpu": gpu, "torch": torch.__version__}, "protocol": PROTOCOL, "sets": sets or {},
+            "rows": report_rows(results), "results": results, "targets": dict(targets(results))}
+
+
+def merge(specs: list[str]) -> dict:
+    """One document from several of this script's JSONs (``FILE`` or ``FILE=label``), e.g. one run per
+    scene. A label marks a variant (other ``--set`` values): its rows are named ``rayforge nerf
+    (label)`` and it is left out of the targets, which judge the unlabelled runs. The runs must come
+    from one kind of GPU."""
+    results, gpus, budgets = [], set(), set()
+    for spec in specs:
+        path, _, label = spec.partition("=")
+        doc = json.loads(Path(path).read_text())
+        gpus.add(doc["gpu"])
+        budgets.update(doc["budgets"])
+        for r in doc["results"]:
+            results.append({**r, "variant": label} if label else r)
+    if len(gpus) != 1:
+        raise SystemExit(f"bench_nerf_quality --merge: runs from different GPUs ({', '.join(sorted(gpus))})")
+    plain = [r for r in results if not r.get("variant")]
+    doc = document(gpus.pop(), sorted(budgets), plain)
+    variants = [r for r in results if r.get("variant")]
+    doc["results"] += variants
+    for row, r in zip(report_rows(variants), (r for r in variants for _ in r.get("rows", []))):
+        doc["rows"].append({**row, "impl": f"{row['impl']} ({r['variant']})"})
+    doc["merged_from"] = [Path(path).name + (f"={label}" if label else "")
+                          for path, _, label in (spec.partition("=") for spec in specs)]
+    return doc
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--poses", action="append", required=True, help="name=poses-stage out (repeatable)")
+    ap.add_argument("--poses", action="append", default=[], help="name=poses-stage out (repeatable)")
     ap.add_argument("--method", action="append", choices=["3dgs"], default=[],
                     help="also train this method on every scene (reconstruct.method=3dgs), side by side")
     ap.add_argument("--no-nerf", action="store_true",
@@ -379,7 +417,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--allow-cpu", action="store_true", help="run on the CPU (a smoke test with tiny budgets)")
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--merge", nargs="+", metavar="FILE[=label]",
+                    help="train nothing: merge earlier --json files (one GPU kind) into --json; a label marks a "
+                         "variant run, named in its rows and left out of the targets")
     args = ap.parse_args(argv)
+    if args.merge:
+        if not args.json:
+            ap.error("--merge needs --json")
+        doc = merge(args.merge)
+        args.json.write_text(json.dumps(doc, indent=2, default=str))
+        print(table(doc["results"]))
+        for what, verdict in doc["targets"].items():
+            print(f"  {verdict.split(' ')[0]:5s} {what} {verdict[verdict.find('('):]}")
+        print(f"wrote {args.json}")
+        return 0
+    if not args.poses:
+        ap.error("--poses is required (or --merge)")
     args.budgets = sorted(float(b) for b in args.budgets.split(","))
     if torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
@@ -413,13 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     for what, verdict in checks:
         print(f"  {verdict.split(' ')[0]:5s} {what} {verdict[verdict.find('('):]}")
     if args.json:
-        args.json.write_text(json.dumps({"gpu": gpu, "torch": torch.__version__, "budgets": args.budgets,
-                                         "environment": {"gpu": gpu, "torch": torch.__version__},
-                                         "protocol": "in one run per scene (bench_nerf_quality.py): the model "
-                                                     "snapshotted as its training clock passed each budget; 'train s' "
-                                                     "is that budget's training time, every test view scored.",
-                                         "rows": report_rows(results), "results": results,
-                                         "targets": dict(checks)}, indent=2, default=str))
+        doc = document(gpu, args.budgets, results, {"nerf": args.set, "3dgs": args.set_3dgs})
+        args.json.write_text(json.dumps(doc, indent=2, default=str))
         print(f"wrote {args.json}")
     return 0
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. o, q .. s, x .. z; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. p, q .. s, x .. z; default a; each about 10 min)
 # Order for the next session (as of 2026-12-05, when no GPU started): x (the graph steps' GPU tests,
 # then lego: the profile beside 3DGS, pixel jitter, nerf.cull_occluded), y (fox and fern beside 3DGS: the
 # JSON of the 2026-12-04 rows in README "On GPUs" was lost), z (culling on fox, culling + jitter on lego);
@@ -227,6 +227,16 @@ z)
   nq lego_cull_jit 110 --poses lego=$D/lego --budgets 15,30,60 \
     --set nerf.cull_occluded=true --set nerf.pixel_jitter=true
   ;;
-*) echo "gpu_session: part must be one of a-o, q-s, x-z" >&2; exit 2 ;;
+p)
+  # 2026-12-05, after x and y: the GPU tests that failed or were new (the eager cull test now switches
+  # the graph off; the Huber loss in the graph), then nerf.loss=huber on lego, culling on fox (from z:
+  # culling helped lego at 15 s and cost it at 60 s), and culling with the Huber loss on lego
+  step graph_tests2 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_nerf_occluded.py \
+    tests/test_cuda_graph.py tests/test_nerf_training.py
+  nq lego_huber 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.loss=huber
+  nq fox_cull 160 --poses fox=$D/fox --budgets 30,60,120 --set nerf.cull_occluded=true
+  nq lego_cull_huber 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.cull_occluded=true --set nerf.loss=huber
+  ;;
+*) echo "gpu_session: part must be one of a-p, q-s, x-z" >&2; exit 2 ;;
 esac
 echo "== done"

@@ -253,6 +253,20 @@ def test_graph_step_with_culling_gives_the_eager_culled_gradients_and_resizes_it
 
 @pytest.mark.gpu
 @requires_gpu
+def test_graph_step_with_the_huber_loss_gives_the_eager_gradients():
+    """nerf.loss: huber inside the captured step: the first replay adds the eager step's gradients,
+    the replay reports the Huber value as its loss and the squared error as its mse."""
+    (l_off, g_off, _), (l_on, g_on, m_on) = _train_eager_and_graphed(loss="huber", huber_delta=0.05)
+    assert m_on.graphed is not None and m_on.graphed.captures >= 1
+    for a, b in zip(g_on, g_off):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6 * max(1.0, float(b.abs().max())))
+    assert abs(l_on[-1] - l_off[-1]) < 0.02 * l_off[-1] + 1e-4, (l_on[-5:], l_off[-5:])
+    info = m_on.forward_backward(_batch(31), torch.Generator(device="cuda").manual_seed(3))
+    assert float(info["loss"]) < float(info["mse"])  # Huber: half the square, or less, per pixel
+
+
+@pytest.mark.gpu
+@requires_gpu
 def test_graph_budget_grows_after_an_overflow():
     m = _method("on")
     gen = torch.Generator(device="cuda").manual_seed(1)

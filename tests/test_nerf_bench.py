@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from test_nerf_background import _poses
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,3 +61,32 @@ def test_budgets_snapshot_one_run_and_evaluate_each(tmp_path, capsys):
         # on a loaded one they may outlast it, and the row is then an ordinary budget snapshot)
     text = capsys.readouterr().out
     assert "Targets (issue 17)" in text and "tiny: no drop > 0.2 dB" in text
+
+
+def _doc(gpu: str, scene: str, psnrs: list[float]) -> dict:
+    rows = [{"budget": b, "time_s": b, "steps": 10 * i + 10, "psnr": p, "ssim": 0.9, "worst_view_psnr": p - 3,
+             "samples_per_s": 1e6, "units_per_s": 1e4} for i, (b, p) in enumerate(zip((30.0, 60.0, 120.0), psnrs))]
+    return {"gpu": gpu, "budgets": [30.0, 60.0, 120.0],
+            "results": [{"scene": scene, "method": "nerf", "rows": rows, "peak_memory_bytes": 2e9, "render_800": None}]}
+
+
+def test_merge_joins_runs_of_one_gpu_and_keeps_variants_out_of_the_targets(tmp_path, capsys):
+    """--merge: one JSON from per-scene runs (the targets judged over all of them); a labelled
+    variant is named in its rows and judged by no target; runs from two GPU kinds are refused."""
+    bench = _bench()
+    files = {}
+    for name, gpu, scene, psnrs in (("fox", "H100", "fox", [30.0, 31.0, 31.5]), ("fern", "H100", "fern", [27.0, 26.5, 27.0]),
+                                    ("fox_cull", "H100", "fox", [29.0, 20.0, 21.0]), ("other", "H200", "fox", [1, 2, 3])):
+        files[name] = tmp_path / f"{name}.json"
+        files[name].write_text(json.dumps(_doc(gpu, scene, psnrs)))
+    out = tmp_path / "merged.json"
+    assert bench.main(["--merge", str(files["fox"]), str(files["fern"]), f"{files['fox_cull']}=cull", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["gpu"] == "H100" and doc["merged_from"] == ["fox.json", "fern.json", "fox_cull.json=cull"]
+    assert doc["targets"]["fox: no drop > 0.2 dB between budgets"].startswith("PASS")  # the variant's 9 dB drop is not judged
+    assert doc["targets"]["fern: no drop > 0.2 dB between budgets"].startswith("FAIL (largest drop 0.50 dB)")
+    impls = [r["impl"] for r in doc["rows"]]
+    assert impls.count("rayforge nerf") == 6 and impls.count("rayforge nerf (cull)") == 3
+    assert "nerf (cull)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="different GPUs"):
+        bench.main(["--merge", str(files["fox"]), str(files["other"]), "--json", str(out)])

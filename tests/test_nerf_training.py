@@ -126,6 +126,43 @@ def test_random_backgrounds_leave_no_floaters_in_transparent_space():
     assert opacity["auto"] < 0.5 * opacity["off"], opacity
 
 
+def test_huber_loss_trains_on_the_huber_value_and_logs_the_squared_error():
+    """nerf.loss: huber: the loss that is back-propagated is the Huber value of the render against
+    the targets (a pixel far off pulls with huber_delta, not its full error), while the logged
+    ``mse`` is the squared error, as with loss: mse."""
+    scene = _scene()
+    o, d, rgb = RaySampler(scene.train, torch.Generator().manual_seed(0)).sample(256)
+    rgb = rgb.clone()
+    rgb[:32] = 1.0 - rgb[:32]  # far-off targets: past delta, so the two losses differ
+    got = {}
+    for kind in ("mse", "huber"):
+        m = _method(scene, loss=kind, huber_delta=0.05)
+        with torch.no_grad():
+            out = render_rays(m.field, m.grid, o, d, m.step_size, m.max_steps, m.cfg.near, perturb=False)
+            loss, info = m._training_loss(out, rgb)
+        got[kind] = (loss, info, out)
+    pred = got["mse"][2]["rgb"]
+    r = (pred - rgb).abs()
+    huber = torch.where(r < 0.05, 0.5 * r * r, 0.05 * (r - 0.025)).mean()
+    torch.testing.assert_close(got["huber"][0], huber)
+    torch.testing.assert_close(got["mse"][0], ((pred - rgb) ** 2).mean())
+    torch.testing.assert_close(got["huber"][1]["mse"], got["mse"][1]["mse"])
+    assert float(got["huber"][0]) < 0.5 * float(got["mse"][0])
+    # the training step reports the Huber value as its loss, the squared error as its mse
+    m = _method(scene, loss="huber", huber_delta=0.05)
+    info = m.forward_backward((o, d, rgb), torch.Generator().manual_seed(0))
+    assert float(info["loss"]) < 0.5 * float(info["mse"])
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in m.parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())
+
+
+def test_bad_loss_settings_are_refused():
+    with pytest.raises(ValueError, match="loss"):
+        NerfParams(loss="l1")
+    with pytest.raises(ValueError, match="huber_delta"):
+        NerfParams(huber_delta=0.0)
+
+
 # ---------------------------------------------------------------- the optimiser pieces
 
 

@@ -68,6 +68,12 @@ class NerfParams:
     # units): it penalises weight spread along a ray, as floaters and fog spread it. 0 = off
     # (instant-ngp has none; mip-NeRF 360 weighs 0.01 in its normalised ray space).
     distortion_loss: float = 0.0
+    # The colour loss: "mse", or "huber" (quadratic within huber_delta of the target, linear past it:
+    # a pixel the field cannot explain yet, such as a thin edge or a specular glint, pulls no harder
+    # than huber_delta). instant-ngp's NeRF config names a Huber loss; reimplementations of it use
+    # delta 0.1. The logged "mse" and PSNR are the squared error either way.
+    loss: Literal["mse", "huber"] = "mse"
+    huber_delta: float = 0.1
     # Unbounded scenes (real captures with backgrounds): "mipnerf360" contracts the world outside the
     # box into a shell around it (mip-NeRF 360's contraction, L-inf as in nerfstudio), so the hash grid
     # and the occupancy grid cover everything and rays march on past the box in steps uniform in
@@ -130,6 +136,8 @@ class NerfParams:
               "must be 0 (off) or >= 1024", self.target_samples)
         check(self.near >= 0, "near", "must be >= 0", self.near)
         check(self.distortion_loss >= 0, "distortion_loss", "must be >= 0 (0 = off)", self.distortion_loss)
+        check(self.loss in ("mse", "huber"), "loss", "must be 'mse' or 'huber'", self.loss)
+        check(self.huber_delta > 0, "huber_delta", "must be > 0", self.huber_delta)
         check(0 <= self.appearance_dim <= 256, "appearance_dim", "must be in 0..256", self.appearance_dim)
         for key in ("fused_render", "cuda_graph", "random_background", "alpha_box"):
             switch(self, key)

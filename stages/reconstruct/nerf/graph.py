@@ -47,10 +47,10 @@ class CapturedStep(GraphStep):
 
     Call it with a micro-batch's rays ``o``, ``d`` [R, 3], target ``rgb`` [R, 3], sample
     ``jitter`` [R] and optionally a ``background`` [R, 3] per ray (random backgrounds) and each ray's
-    training ``image`` [R] (appearance codes): the gradients of the training loss (the mean squared
-    error, plus the distortion term with ``nerf.distortion_loss`` > 0) are *added* to the parameters'
-    ``.grad`` (as ``loss.backward()`` would) and ``(mse, num_samples, distortion)`` come back as 0-d
-    device tensors (``distortion`` None when the term is off). It
+    training ``image`` [R] (appearance codes): the gradients of the training loss (the colour loss,
+    plus the distortion term with ``nerf.distortion_loss`` > 0) are *added* to the parameters'
+    ``.grad`` (as ``loss.backward()`` would) and ``(loss, mse, num_samples, distortion)`` come back as
+    0-d device tensors (``distortion`` None when the term is off). It
     returns None while it has no sample count to size the budget from; the caller then runs the
     step eagerly and reports the count with :meth:`observe`.
 
@@ -80,7 +80,8 @@ class CapturedStep(GraphStep):
                                                   image=st.get("image"),
                                                   march_capacity=self.march_capacity if self.cull else None)
         loss.backward()
-        return info["mse"], out["num_samples"], out["total_samples"], info.get("distortion"), out.get("march_total")
+        return (info["mse"], out["num_samples"], out["total_samples"], info.get("distortion"), out.get("march_total"),
+                loss.detach())
 
     # ------------------------------------------------------------------ the march's budget (culling)
     def observe_march(self, count: int) -> None:
@@ -133,5 +134,5 @@ class CapturedStep(GraphStep):
         out = self._run({"o": o, "d": d, "rgb": rgb, "jitter": jitter, "bg": background, "image": image})
         if out is None:
             return None
-        mse, num, _, dist, _ = out
-        return mse.clone(), num.clone(), None if dist is None else dist.clone()
+        mse, num, _, dist, _, loss = out
+        return loss.clone(), mse.clone(), num.clone(), None if dist is None else dist.clone()

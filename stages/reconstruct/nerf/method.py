@@ -176,17 +176,22 @@ class NerfMethod:
             near=self.cfg.near, perturb=True, generator=generator, fused=self.fused, background=background,
             appearance=appearance, distortion=self.cfg.distortion_loss > 0, cull=self.cfg.cull_occluded,
         )
-        mse = torch.nn.functional.mse_loss(out["rgb"], rgb)
-        return self._with_distortion(mse, out)
+        return self._training_loss(out, rgb)
 
-    def _with_distortion(self, mse: torch.Tensor, out: dict) -> tuple[torch.Tensor, dict]:
-        """(the training loss, its info): the MSE, plus ``distortion_loss`` x the rays' mean distortion."""
+    def _training_loss(self, out: dict, rgb: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """(the training loss, its info) of a render ``out`` against the target colours ``rgb``: the
+        colour loss (``nerf.loss``), plus ``distortion_loss`` x the rays' mean distortion. The info's
+        ``mse`` is the squared error whatever the colour loss (PSNR is read from it)."""
+        mse = torch.nn.functional.mse_loss(out["rgb"], rgb)
+        loss = mse
+        if self.cfg.loss == "huber":
+            loss = torch.nn.functional.huber_loss(out["rgb"], rgb, delta=self.cfg.huber_delta)
         info = {"mse": mse.detach(), "num_samples": out["num_samples"]}
-        if "distortion" not in out:
-            return mse, info
-        dist = out["distortion"].mean()
-        info["distortion"] = dist.detach()
-        return mse + self.cfg.distortion_loss * dist, info
+        if "distortion" in out:
+            dist = out["distortion"].mean()
+            info["distortion"] = dist.detach()
+            loss = loss + self.cfg.distortion_loss * dist
+        return loss, info
 
     def packed_loss(self, o, d, rgb, jitter: torch.Tensor, capacity: int | None = None,
                     background: torch.Tensor | None = None, image: torch.Tensor | None = None,
@@ -194,7 +199,7 @@ class NerfMethod:
         """(loss, info, render output) of the packed renderer with the sample ``jitter`` given and an
         optional fixed sample budget: the body of a CUDA-graph step (nerf/graph.py) and of the eager
         step that sizes its first budget. ``image``: each ray's training image (appearance codes).
-        The loss is the MSE, plus the distortion term when ``distortion_loss`` > 0. With
+        The loss is :meth:`_training_loss`'s. With
         ``cull_occluded`` the march has its own budget, ``march_capacity``, and ``capacity`` is the
         kept samples' (render_packed)."""
         out = render_packed(self.field, self.grid, o, d, jitter, self.step_size, self.max_steps,
@@ -202,7 +207,7 @@ class NerfMethod:
                             appearance=None if image is None else self.field.appearance(image),
                             distortion=self.cfg.distortion_loss > 0, cull=self.cfg.cull_occluded,
                             march_capacity=march_capacity)
-        loss, info = self._with_distortion(torch.nn.functional.mse_loss(out["rgb"], rgb), out)
+        loss, info = self._training_loss(out, rgb)
         return loss, info, out
 
     def targets(self, rgb: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -219,7 +224,7 @@ class NerfMethod:
     def forward_backward(self, batch, generator: torch.Generator, before_backward=None) -> dict:
         """One micro-batch of rays ``(o, d, rgb)`` (``rgb`` [R, 3], or RGBA [R, 4]: see :meth:`targets`):
         the loss's gradients are added to the parameters'
-        ``.grad``; returns ``loss`` (= ``mse``) and ``num_samples`` (device tensors).
+        ``.grad``; returns ``loss``, ``mse`` and ``num_samples`` (device tensors).
         ``before_backward`` is called between the forward and the backward of an eager step (a
         replayed graph step has no such point)."""
         o, d, rgb, *image = batch
@@ -230,11 +235,10 @@ class NerfMethod:
             jitter = sample_jitter(o.shape[0], True, generator, self.device)  # as render_rays draws it
             got = self.graphed(o, d, rgb, jitter, bg, image)
             if got is not None:
-                mse, num, dist = got
+                loss, mse, num, dist = got
                 if dist is None:
-                    return {"loss": mse, "mse": mse, "num_samples": num}
-                return {"loss": mse + self.cfg.distortion_loss * dist, "mse": mse, "distortion": dist,
-                        "num_samples": num}
+                    return {"loss": loss, "mse": mse, "num_samples": num}
+                return {"loss": loss, "mse": mse, "distortion": dist, "num_samples": num}
             # no sample count yet to size the graph's budget: this step runs eagerly and gives one
             loss, info, out = self.packed_loss(o, d, rgb, jitter, background=bg, image=image)
             self.graphed.observe(int(out["num_samples"]))
