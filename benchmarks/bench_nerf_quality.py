@@ -366,10 +366,12 @@ PROTOCOL = ("in one run per scene (bench_nerf_quality.py): the model snapshotted
             "budget; 'train s' is that budget's training time, every test view scored.")
 
 
-def document(gpu: str, budgets, results: list[dict], sets: dict | None = None) -> dict:
-    """The JSON this script writes (the report's benchmark appendix reads ``rows``)."""
-    return {"gpu": gpu, "torch": torch.__version__, "budgets": budgets,
-            "environment": {"gpu": gpu, "torch": torch.__version__}, "protocol": PROTOCOL, "sets": sets or {},
+def document(gpu: str, budgets, results: list[dict], sets: dict | None = None, torch_version: str | None = None) -> dict:
+    """The JSON this script writes (the report's benchmark appendix reads ``rows``); ``torch_version``:
+    the runs' (default: this process's)."""
+    tv = torch_version or torch.__version__
+    return {"gpu": gpu, "torch": tv, "budgets": budgets,
+            "environment": {"gpu": gpu, "torch": tv}, "protocol": PROTOCOL, "sets": sets or {},
             "rows": report_rows(results), "results": results, "targets": dict(targets(results))}
 
 
@@ -378,18 +380,19 @@ def merge(specs: list[str]) -> dict:
     scene. A label marks a variant (other ``--set`` values): its rows are named ``rayforge nerf
     (label)`` and it is left out of the targets, which judge the unlabelled runs. The runs must come
     from one kind of GPU."""
-    results, gpus, budgets = [], set(), set()
+    results, gpus, torches, budgets = [], set(), set(), set()
     for spec in specs:
         path, _, label = spec.partition("=")
         doc = json.loads(Path(path).read_text())
         gpus.add(doc["gpu"])
+        torches.add(doc.get("torch", "unknown"))
         budgets.update(doc["budgets"])
         for r in doc["results"]:
             results.append({**r, "variant": label} if label else r)
     if len(gpus) != 1:
         raise SystemExit(f"bench_nerf_quality --merge: runs from different GPUs ({', '.join(sorted(gpus))})")
     plain = [r for r in results if not r.get("variant")]
-    doc = document(gpus.pop(), sorted(budgets), plain)
+    doc = document(gpus.pop(), sorted(budgets), plain, torch_version=", ".join(sorted(torches)))
     variants = [r for r in results if r.get("variant")]
     doc["results"] += variants
     for row, r in zip(report_rows(variants), (r for r in variants for _ in r.get("rows", []))):

@@ -66,7 +66,7 @@ def test_budgets_snapshot_one_run_and_evaluate_each(tmp_path, capsys):
 def _doc(gpu: str, scene: str, psnrs: list[float]) -> dict:
     rows = [{"budget": b, "time_s": b, "steps": 10 * i + 10, "psnr": p, "ssim": 0.9, "worst_view_psnr": p - 3,
              "samples_per_s": 1e6, "units_per_s": 1e4} for i, (b, p) in enumerate(zip((30.0, 60.0, 120.0), psnrs))]
-    return {"gpu": gpu, "budgets": [30.0, 60.0, 120.0],
+    return {"gpu": gpu, "torch": "2.11.0+cu130", "budgets": [30.0, 60.0, 120.0],
             "results": [{"scene": scene, "method": "nerf", "rows": rows, "peak_memory_bytes": 2e9, "render_800": None}]}
 
 
@@ -82,7 +82,7 @@ def test_merge_joins_runs_of_one_gpu_and_keeps_variants_out_of_the_targets(tmp_p
     out = tmp_path / "merged.json"
     assert bench.main(["--merge", str(files["fox"]), str(files["fern"]), f"{files['fox_cull']}=cull", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert doc["gpu"] == "H100" and doc["merged_from"] == ["fox.json", "fern.json", "fox_cull.json=cull"]
+    assert doc["gpu"] == "H100" and doc["torch"] == "2.11.0+cu130" and doc["merged_from"] == ["fox.json", "fern.json", "fox_cull.json=cull"]
     assert doc["targets"]["fox: no drop > 0.2 dB between budgets"].startswith("PASS")  # the variant's 9 dB drop is not judged
     assert doc["targets"]["fern: no drop > 0.2 dB between budgets"].startswith("FAIL (largest drop 0.50 dB)")
     impls = [r["impl"] for r in doc["rows"]]
