@@ -296,7 +296,7 @@ def run_scene(name: str, poses: Path, method: str, args, device: torch.device) -
 def targets(results: list[dict]) -> list[tuple[str, str]]:
     """(target, PASS | FAIL | n/a with the figures) for issue 17's targets."""
     by = {(r["scene"], r["method"]): {row["budget"]: row["psnr"] for row in r["rows"]} for r in results
-          if "rows" in r}
+          if "rows" in r and not r.get("variant")}  # a variant (--merge FILE=label) is judged by none
     out = []
 
     def verdict(ok: bool | None, text: str) -> str:
@@ -323,6 +323,11 @@ def targets(results: list[dict]) -> list[tuple[str, str]]:
     return out
 
 
+def label(r: dict) -> str:
+    """A run's method, with its variant (``--merge FILE=label``) when it has one."""
+    return r["method"] + (f" ({r['variant']})" if r.get("variant") else "")
+
+
 def table(results: list[dict]) -> str:
     head = ["scene", "method", "budget", "steps", "PSNR", "SSIM", "worst view", "train views", "samples/s",
             "rays|views/s", "peak mem", "render 800"]
@@ -333,9 +338,8 @@ def table(results: list[dict]) -> str:
             continue
         mem = "" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**30:.1f} GiB"
         ren = "" if r["render_800"] is None else f"{r['render_800']['seconds'] * 1e3:.0f} ms ({r['render_800']['size']})"
-        method = r["method"] + (f" ({r['variant']})" if r.get("variant") else "")
         for row in r["rows"]:
-            rows.append([r["scene"], method, f"{row['budget']:g} s" + (" (ended)" if row.get("finished") else ""),
+            rows.append([r["scene"], label(r), f"{row['budget']:g} s" + (" (ended)" if row.get("finished") else ""),
                          row["steps"], f"{row['psnr']:.2f}",
                          f"{row['ssim']:.4f}", f"{row['worst_view_psnr']:.2f}",
                          "" if row.get("train_psnr") is None else f"{row['train_psnr']:.2f}",
@@ -355,7 +359,7 @@ def report_rows(results: list[dict]) -> list[dict]:
     for r in results:
         mem = r.get("peak_memory_bytes")
         for row in r.get("rows", []):
-            out.append({"scene": r["scene"], "steps": row["steps"], "impl": f"rayforge {r['method']}",
+            out.append({"scene": r["scene"], "steps": row["steps"], "impl": f"rayforge {label(r)}",
                         "budget_s": row["budget"], "train_s": row["time_s"], "psnr": row["psnr"], "ssim": row["ssim"],
                         "worst_view_psnr": row["worst_view_psnr"], "train_views_psnr": row.get("train_psnr"),
                         "peak_gb": None if mem is None else mem / 1e9})
@@ -391,12 +395,7 @@ def merge(specs: list[str]) -> dict:
             results.append({**r, "variant": label} if label else r)
     if len(gpus) != 1:
         raise SystemExit(f"bench_nerf_quality --merge: runs from different GPUs ({', '.join(sorted(gpus))})")
-    plain = [r for r in results if not r.get("variant")]
-    doc = document(gpus.pop(), sorted(budgets), plain, torch_version=", ".join(sorted(torches)))
-    variants = [r for r in results if r.get("variant")]
-    doc["results"] += variants
-    for row, r in zip(report_rows(variants), (r for r in variants for _ in r.get("rows", []))):
-        doc["rows"].append({**row, "impl": f"{row['impl']} ({r['variant']})"})
+    doc = document(gpus.pop(), sorted(budgets), results, torch_version=", ".join(sorted(torches)))
     doc["merged_from"] = [Path(path).name + (f"={label}" if label else "")
                           for path, _, label in (spec.partition("=") for spec in specs)]
     return doc
