@@ -198,7 +198,7 @@ def run_gsplat(scene, steps: int, device, over: dict | None = None, reset_fix: b
     from kernels.ssim import ssim as fused_ssim
     from stages.reconstruct.gs.method import ViewSampler, _Views
     from stages.reconstruct.gs.model import init_box, init_gaussians, scene_extent
-    from stages.reconstruct.train import seeded_generator
+    from stages.reconstruct.train import StepProfiler, seeded_generator
 
     cfg = our_params(steps, over).gs  # the --set values too: the same initialisation and rates
     torch.manual_seed(seed * 1_000_003)  # what the pipeline's loop seeds before building the method
@@ -234,10 +234,14 @@ def run_gsplat(scene, steps: int, device, over: dict | None = None, reset_fix: b
     views = _Views(scene.train.to(device), ViewSampler(len(scene.train), shard), device)  # as ours reads them
     rgba = views.channels == 4
     eval_bg = eval_background(scene).to(device)
+    profiler = StepProfiler(0, device)  # RAYFORGE_PROFILE: gsplat's steps beside ours, in <folder>/gsplat
+    if profiler.folder:
+        profiler.folder = str(Path(profiler.folder) / "gsplat")
     settle(device)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for step in range(steps):
+        profiler.at(step)
         (i,) = views.order.sample(1)
         img = views.image(i).float() / 255.0
         intr = views.intrs[i]

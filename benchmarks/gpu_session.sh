@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. p, q .. s, x .. z; default a; each about 10 min)
-# Order for the next session (as of 2026-12-05, when no GPU started): x (the graph steps' GPU tests,
-# then lego: the profile beside 3DGS, pixel jitter, nerf.cull_occluded), y (fox and fern beside 3DGS: the
-# JSON of the 2026-12-04 rows in README "On GPUs" was lost), z (culling on fox, culling + jitter on lego);
-# parts q-s ran 2026-12-04, m-o 2026-12-03/04; the earlier parts are the commands the results JSONs cite.
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. p, q .. t, x .. z; default a; each about 10 min)
+# Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
+# on fox; culling + Huber on lego); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
+# earlier parts are the commands the results JSONs cite.
 # Every step runs only when the call's deadline (LIMIT seconds from the start, default 585) leaves
 # it the seconds it asks for; each writes <step>.log and its JSON, and steps.log says what ran,
 # what was skipped and each exit code. They are written under /tmp/gpu_session/<part> and packed
@@ -228,15 +227,19 @@ z)
     --set nerf.cull_occluded=true --set nerf.pixel_jitter=true
   ;;
 p)
-  # 2026-12-05, after x and y: the GPU tests that failed or were new (the eager cull test now switches
-  # the graph off; the Huber loss in the graph), then nerf.loss=huber on lego, culling on fox (from z:
+  # 2026-12-05, after x and y (the GPU tests of b73372a passed on an H100 after y): culling on fox (from z:
   # culling helped lego at 15 s and cost it at 60 s), and culling with the Huber loss on lego
-  step graph_tests2 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_nerf_occluded.py \
-    tests/test_cuda_graph.py tests/test_nerf_training.py
-  nq lego_huber 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.loss=huber
   nq fox_cull 160 --poses fox=$D/fox --budgets 30,60,120 --set nerf.cull_occluded=true
   nq lego_cull_huber 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.cull_occluded=true --set nerf.loss=huber
   ;;
-*) echo "gpu_session: part must be one of a-p, q-s, x-z" >&2; exit 2 ;;
+t)
+  # 2026-12-05, issue 16: where a 3DGS step spends its time late in training (fern, ~600k Gaussians: our
+  # 30k time was 0.62x gsplat's but 0.76x gsplat+reset's), ours and gsplat's steps 14010..14090 (no
+  # refinement among them) profiled in one process; then nerf.loss=huber on lego (issue 17)
+  step prof3dgs 300 env RAYFORGE_PROFILE=$OUT/prof RAYFORGE_PROFILE_STEPS=14010:14090 python3 benchmarks/bench_3dgs.py \
+    --poses fern=$D/fern --steps 14100 --json "$OUT/prof3dgs.json"
+  nq lego_huber 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.loss=huber
+  ;;
+*) echo "gpu_session: part must be one of a-p, q-t, x-z" >&2; exit 2 ;;
 esac
 echo "== done"
