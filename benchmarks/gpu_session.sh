@@ -2,7 +2,7 @@
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
 #   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. p, q .. t, x .. z; default a; each about 10 min)
 # Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
-# on fox; culling + Huber on lego); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
+# on fox; lego 3DGS at 30k beside gsplat); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
 # earlier parts are the commands the results JSONs cite.
 # Every step runs only when the call's deadline (LIMIT seconds from the start, default 585) leaves
 # it the seconds it asks for; each writes <step>.log and its JSON, and steps.log says what ran,
@@ -227,10 +227,11 @@ z)
     --set nerf.cull_occluded=true --set nerf.pixel_jitter=true
   ;;
 p)
-  # 2026-12-05, after x and y (the GPU tests of b73372a passed on an H100 after y): culling on fox (from z:
-  # culling helped lego at 15 s and cost it at 60 s), and culling with the Huber loss on lego
+  # 2026-12-05 evening, after t (Huber cost lego 0.4 dB: culling + Huber dropped): culling on fox (from z:
+  # culling helped lego at 15 s and cost it at 60 s); then issue 16's lego at 30k, ours as shipped beside
+  # gsplat as installed, in one process on this GPU
   nq fox_cull 160 --poses fox=$D/fox --budgets 30,60,120 --set nerf.cull_occluded=true
-  nq lego_cull_huber 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.cull_occluded=true --set nerf.loss=huber
+  step gs30k_lego 400 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 30000 --json "$OUT/gs30k_lego.json"
   ;;
 t)
   # 2026-12-05, issue 16: where a 3DGS step spends its time late in training (fern, ~600k Gaussians: our
