@@ -42,7 +42,9 @@ time is wall time of the loop (CUDA synchronised at the end), peak memory is
 ``torch.cuda.max_memory_allocated`` over training, counted from a clean start: earlier rows are
 collected first (``settle``; before 2026-12-02 a row's peak also held what earlier rows of the
 same process had left), and each row's ``left_gb`` is what it left allocated. Prints a table;
-``--json`` writes the rows.
+``--json`` writes the rows. With ``RAYFORGE_PROFILE=<folder>`` (and ``RAYFORGE_PROFILE_STEPS=a:b``)
+both loops are profiled over the same steps: ours into ``<folder>/rank0.txt`` (the pipeline's
+``StepProfiler``), gsplat's into ``<folder>/gsplat/rank0.txt``.
 Needs only torch, gsplat and this repo on the GPU host.
 """
 from __future__ import annotations
