@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. p, q .. t, x .. z; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. p, q .. u, x .. z; default a; each about 10 min)
 # Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
 # on fox; lego 3DGS at 30k beside gsplat); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
 # earlier parts are the commands the results JSONs cite.
@@ -241,6 +241,25 @@ t)
     --poses fern=$D/fern --steps 14100 --json "$OUT/prof3dgs.json"
   nq lego_huber 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.loss=huber
   ;;
-*) echo "gpu_session: part must be one of a-p, q-t, x-z" >&2; exit 2 ;;
+u)
+  # 2026-12-06 (session of 12-05 night), issue 16: the SH kernels now read sh0 and shN in place (no
+  # per-step torch.cat): their GPU tests and the graph steps'; then three-seed 7k means of ours on lego
+  # and fox, as shipped, with gsplat's revised_opacity, and with AbsGS (absgrad, grow_grad2d 0.0008)
+  step kernel_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gs_kernels.py \
+    tests/test_gs_graph.py tests/test_cuda_graph.py
+  for sc in lego fox; do
+    step base_$sc 130 python3 benchmarks/bench_3dgs.py --poses $sc=$D/$sc --steps 7000 --only rayforge \
+      --seeds 0 1 2 --json "$OUT/base_$sc.json"
+  done
+  for sc in lego fox; do
+    step revised_$sc 130 python3 benchmarks/bench_3dgs.py --poses $sc=$D/$sc --steps 7000 --only rayforge \
+      --seeds 0 1 2 --set "densify={revised_opacity: true}" --json "$OUT/revised_$sc.json"
+  done
+  for sc in fox lego; do
+    step absgrad_$sc 130 python3 benchmarks/bench_3dgs.py --poses $sc=$D/$sc --steps 7000 --only rayforge \
+      --seeds 0 1 2 --set "densify={absgrad: true, grow_grad2d: 0.0008}" --json "$OUT/absgrad_$sc.json"
+  done
+  ;;
+*) echo "gpu_session: part must be one of a-p, q-u, x-z" >&2; exit 2 ;;
 esac
 echo "== done"

@@ -152,41 +152,63 @@ def project(means, quats, scales, viewmats, Ks, width, height, eps2d, near, far,
 
 
 class _SH(torch.autograd.Function):
+    """One [..., K, 3] coefficient tensor (``rest`` None), or 3DGS's pair: ``coeffs`` the degree-0
+    row [..., 1, 3] and ``rest`` the other K - 1 rows [..., K - 1, 3], read where they lie (the
+    kernels take a pointer and a stride for each, csrc/gaussians_project.cu)."""
+
     @staticmethod
-    def forward(ctx, dirs, coeffs, degree):
-        items, sets = dirs.numel() // 3, coeffs.numel() // (coeffs.shape[-2] * 3)
+    def forward(ctx, dirs, coeffs, rest, degree):
+        if rest is None:
+            K = coeffs.shape[-2]
+            sets = coeffs.numel() // (K * 3)
+            layout = (_p(coeffs), (3 * K, i64), (coeffs.data_ptr() + 4 * 3, ptr), (3 * K, i64))
+        else:
+            K = 1 + rest.shape[-2]
+            sets = coeffs.numel() // 3
+            layout = (_p(coeffs), (3, i64), _p(rest), (3 * (K - 1), i64))
+        items = dirs.numel() // 3
         out = torch.empty(*dirs.shape[:-1], 3, device=dirs.device)
         if items:
             program("project").launch(
                 "sh_fwd", _blocks(3 * items, SH_BLOCK), (SH_BLOCK,),
-                [(degree, i32), (items, i64), (sets, i64), (coeffs.shape[-2], i32), _p(dirs), _p(coeffs), _p(out)],
+                [(degree, i32), (items, i64), (sets, i64), (K, i32), _p(dirs), *layout, _p(out)],
                 device=dirs.device)
-        ctx.save_for_backward(dirs, coeffs)
-        ctx.degree = degree
+        ctx.save_for_backward(dirs, coeffs, rest)
+        ctx.degree, ctx.K, ctx.sets, ctx.layout = degree, K, sets, layout
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_colors):
-        dirs, coeffs = ctx.saved_tensors
-        items, sets = dirs.numel() // 3, coeffs.numel() // (coeffs.shape[-2] * 3)
-        # one thread per (coefficient set, channel), which writes its channel of the set (and, for channel 0, each item's v_dirs)
-        v_coeffs = torch.empty_like(coeffs) if items else torch.zeros_like(coeffs)
+        dirs, coeffs, rest = ctx.saved_tensors
+        K, sets, layout = ctx.K, ctx.sets, ctx.layout
+        items = dirs.numel() // 3
+        # one thread per (coefficient set, channel), which writes its channel of the set (and, for
+        # channel 0, each item's v_dirs); without items nothing is written, so the buffers start at 0
+        new = torch.empty_like if items else torch.zeros_like
+        v_coeffs = new(coeffs)
+        v_rest = None if rest is None else new(rest)
+        if rest is None:
+            out = (_p(v_coeffs), (v_coeffs.data_ptr() + 4 * 3, ptr))
+        else:
+            out = (_p(v_coeffs), _p(v_rest))
         v_dirs = torch.empty_like(dirs) if ctx.needs_input_grad[0] else None
         g_colors = g_colors.to(torch.float32).contiguous()
         if items:
             program("project").launch(
                 "sh_bwd", _blocks(3 * sets, SH_BLOCK), (SH_BLOCK,),
-                [(ctx.degree, i32), (items, i64), (sets, i64), (coeffs.shape[-2], i32), _p(dirs), _p(coeffs),
-                 _p(g_colors), _p(v_coeffs), _p(v_dirs)],
+                [(ctx.degree, i32), (items, i64), (sets, i64), (K, i32), _p(dirs), *layout, _p(g_colors),
+                 *out, _p(v_dirs)],
                 device=dirs.device)
-        return v_dirs, v_coeffs if ctx.needs_input_grad[1] else None, None
+        return (v_dirs, v_coeffs if ctx.needs_input_grad[1] else None,
+                v_rest if ctx.needs_input_grad[2] else None, None)
 
 
-def spherical_harmonics(degree, dirs, coeffs):
+def spherical_harmonics(degree, dirs, coeffs, rest=None):
     """coeffs [..., K, 3] with the batch dims of dirs [..., 3], or a suffix of them (one set of
-    coefficients broadcast over the leading dims, e.g. [C, N, 3] directions and [N, K, 3])."""
-    return _SH.apply(dirs, coeffs.contiguous(), int(degree))
+    coefficients broadcast over the leading dims, e.g. [C, N, 3] directions and [N, K, 3]); or, with
+    ``rest``, coeffs the degree-0 row [..., 1, 3] and rest the K - 1 others [..., K - 1, 3]."""
+    return _SH.apply(dirs, coeffs.contiguous(), None if rest is None else rest.contiguous(), int(degree))
 
 
 # ---------------------------------------------------------------------------- tile binning

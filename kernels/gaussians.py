@@ -247,10 +247,13 @@ def spherical_harmonics(degree: int, dirs, coeffs):
 
 
 def _sh(degree, dirs, coeffs):
-    """coeffs' batch dims are those of dirs or a suffix of them (broadcast over the leading ones)."""
+    """coeffs' batch dims are those of dirs or a suffix of them (broadcast over the leading ones);
+    coeffs may be the pair (degree-0 row [..., 1, 3], the others [..., K - 1, 3])."""
+    pair = isinstance(coeffs, (tuple, list))
     if _use_cuda(dirs.device):
-        return _cuda().spherical_harmonics(degree, dirs, coeffs)
-    return spherical_harmonics_reference(degree, dirs, coeffs)
+        return _cuda().spherical_harmonics(degree, dirs, *coeffs) if pair else \
+            _cuda().spherical_harmonics(degree, dirs, coeffs)
+    return spherical_harmonics_reference(degree, dirs, torch.cat(list(coeffs), -2) if pair else coeffs)
 
 
 def _check_budget(total: int) -> None:
@@ -403,7 +406,9 @@ def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: 
     Args:
         means [N, 3], quats [N, 4], scales [N, 3] (linear), opacities [N] (in [0, 1]).
         colors: [N, D] colours, or with ``sh_degree`` [N, K, 3] SH coefficients (colour =
-            max(SH sum + 0.5, 0), view directions from each camera's centre to the means).
+            max(SH sum + 0.5, 0), view directions from each camera's centre to the means), or
+            those as the pair (sh0 [N, 1, 3], shN [N, K - 1, 3]) of a 3DGS model's parameters,
+            which the CUDA path reads in place (no concatenation, and a gradient for each).
         viewmats [C, 4, 4], Ks [C, 3, 3], width, height: cameras sharing one image size.
         backgrounds: optional [C, D] (D = colour channels; depth channels get 0).
         render_mode: "RGB", "D" (accumulated depth), "ED" (D / alpha), "RGB+D", "RGB+ED".
@@ -449,7 +454,15 @@ def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: 
     else:
         if isinstance(sh_degree, bool) or sh_degree not in (0, 1, 2, 3):
             raise ValueError(f"sh_degree must be None or 0..3, got {sh_degree!r}")
-        _check("colors", colors, ("N", "K", 3), sizes, device=dev)
+        if isinstance(colors, (tuple, list)):  # 3DGS's (sh0 [N, 1, 3], shN [N, K - 1, 3]), read in place
+            if len(colors) != 2:
+                raise ValueError(f"colors as SH parts must be (sh0 [N, 1, 3], shN [N, K - 1, 3]), got "
+                                 f"{len(colors)} tensors")
+            _check("colors[0] (sh0)", colors[0], ("N", 1, 3), sizes, device=dev)
+            _check("colors[1] (shN)", colors[1], ("N", "K-1", 3), sizes, device=dev)
+            sizes["K"] = sizes.pop("K-1") + 1
+        else:
+            _check("colors", colors, ("N", "K", 3), sizes, device=dev)
         if sizes["K"] < (sh_degree + 1) ** 2:
             raise ValueError(f"colors must hold K >= (sh_degree + 1)^2 = {(sh_degree + 1) ** 2} SH "
                              f"coefficients, got K={sizes['K']}")

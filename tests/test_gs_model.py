@@ -361,6 +361,29 @@ def test_splits_are_deterministic_with_the_same_generator():
     assert not torch.equal(a["means"], c["means"]) and a["means"].shape == (40, 3)
 
 
+def test_revised_opacity_gives_split_halves_the_parents_combined_alpha():
+    # two large Gaussians with high gradients split; a small one with a low gradient stays
+    def split(revised: bool):
+        params, opt = _gaussians([0.05, 0.05, 0.005], [0.5, 0.9, 0.3])
+        before = params["opacities"].detach().sigmoid().clone()
+        strat = dz.DensifyStrategy(dz.DensifyParams(revised_opacity=revised))
+        strat.accumulate(_one_view([HIGH, HIGH, LOW]))
+        out = strat.step(600, params, opt, torch.Generator().manual_seed(3), scene_extent=1.0)
+        assert (out["split"], out["n_gaussians"]) == (2, 5)
+        return params, before
+
+    (plain, before), (revised, _) = split(False), split(True)
+    # layout: the kept Gaussian 2, then the halves of 0 and of 1 (each twice, in that order)
+    parents = before[[0, 1, 0, 1]]
+    halves = revised["opacities"].detach().sigmoid()[1:]
+    assert bool((halves < parents).all())
+    torch.testing.assert_close(1.0 - (1.0 - halves) ** 2, parents)  # overlapping, they block what the parent did
+    torch.testing.assert_close(plain["opacities"].detach().sigmoid()[1:], parents)  # the reference copies it
+    assert float(revised["opacities"][0]) == float(plain["opacities"][0])  # the kept one is untouched
+    for name in ("means", "scales", "quats", "sh0", "shN"):  # only the opacities differ
+        assert torch.equal(plain[name], revised[name]), name
+
+
 def test_budget_caps_growth_and_is_reported_once():
     params, opt = _gaussians([0.005, 0.005, 0.05, 0.005], [0.5] * 4)
     strat = dz.DensifyStrategy(dz.DensifyParams(max_gaussians=5))

@@ -336,13 +336,19 @@ __device__ __forceinline__ void gs_sh_basis(int degree, float x, float y, float 
 #endif
 static_assert(RF_SH_BLOCK % 3 == 0, "an item's three channel threads must share a block");
 
-// colors[i, ch] = sum_k basis_k(dirs[i] / |dirs[i]|) coeffs[i % n_coeff_items, k, ch].
+// colors[i, ch] = sum_k basis_k(dirs[i] / |dirs[i]|) coeff(i % n_coeff_items, k, ch), K coefficients a set,
+// read from two arrays so that 3DGS's sh0 [N, 1, 3] and shN [N, K - 1, 3] need no concatenation:
+// coefficient 0 of set s is dc[s * dc_stride + ch], coefficient k >= 1 is rest[s * rest_stride + 3 (k - 1) + ch]
+// (one [N, K, 3] tensor: dc = coeffs, rest = coeffs + 3, both strides 3 K).
 // n_coeff_items < items broadcasts one coefficient set over several cameras ([C, N] dirs, [N] sets).
 // The loops over the 16 basis functions are unrolled with a guard on the degree, so the basis stays
 // in registers (a loop to a runtime bound indexes it, which puts it in local memory).
 __global__ void __launch_bounds__(RF_SH_BLOCK) sh_fwd(int degree, long long items, long long n_coeff_items, int K,
                        const float* __restrict__ dirs,     // [items, 3]
-                       const float* __restrict__ coeffs,   // [n_coeff_items, K, 3]
+                       const float* __restrict__ dc,       // coefficient 0 of each set
+                       long long dc_stride,
+                       const float* __restrict__ rest,     // coefficients 1 .. K - 1 of each set
+                       long long rest_stride,
                        float* __restrict__ colors) {       // [items, 3]
   const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= 3 * items) return;
@@ -353,11 +359,12 @@ __global__ void __launch_bounds__(RF_SH_BLOCK) sh_fwd(int degree, long long item
   const float inv = rsqrtf(fmaxf(dx * dx + dy * dy + dz * dz, 1e-30f));
   float Y[16];
   gs_sh_basis(degree, dx * inv, dy * inv, dz * inv, Y, nullptr);
-  const float* c = coeffs + (i % n_coeff_items) * K * 3 + ch;
-  float sum = 0.f;
+  const long long set = i % n_coeff_items;
+  const float* c = rest + set * rest_stride + ch;  // c[3 (k - 1)]: coefficient k >= 1
+  float sum = Y[0] * dc[set * dc_stride + ch];
 #pragma unroll
-  for (int k = 0; k < 16; ++k) {
-    if (k < nb) sum += Y[k] * c[3 * k];
+  for (int k = 1; k < 16; ++k) {
+    if (k < nb) sum += Y[k] * c[3 * (k - 1)];
   }
   colors[t] = sum;  // = colors[3 * i + ch]
 }
@@ -369,9 +376,12 @@ __global__ void __launch_bounds__(RF_SH_BLOCK) sh_fwd(int degree, long long item
 // item's direction gradient is the sum of its three channel threads' parts (through shared memory,
 // so every thread of the block runs every camera's iteration), then goes through the normalisation.
 __global__ void __launch_bounds__(RF_SH_BLOCK) sh_bwd(int degree, long long items, long long n_coeff_items, int K,
-                       const float* __restrict__ dirs, const float* __restrict__ coeffs,
+                       const float* __restrict__ dirs,
+                       const float* __restrict__ dc, long long dc_stride,      // as in sh_fwd
+                       const float* __restrict__ rest, long long rest_stride,
                        const float* __restrict__ v_colors,   // [items, 3]
-                       float* __restrict__ v_coeffs,         // [n_coeff_items, K, 3]
+                       float* __restrict__ v_dc,             // laid out as dc
+                       float* __restrict__ v_rest,           // laid out as rest
                        float* __restrict__ v_dirs) {         // [items, 3] or nullptr
   __shared__ float part[RF_SH_BLOCK * 3];
   const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -382,7 +392,10 @@ __global__ void __launch_bounds__(RF_SH_BLOCK) sh_bwd(int degree, long long item
   const long long cams = items / n_coeff_items;
   float c[16];  // this channel of the set's coefficients, read once for all cameras
 #pragma unroll
-  for (int k = 0; k < 16; ++k) c[k] = (live && v_dirs != nullptr && k < nb) ? coeffs[set * K * 3 + 3 * k + ch] : 0.f;
+  for (int k = 0; k < 16; ++k) {
+    c[k] = (live && v_dirs != nullptr && k < nb)
+               ? (k == 0 ? dc[set * dc_stride + ch] : rest[set * rest_stride + 3 * (k - 1) + ch]) : 0.f;
+  }
   float acc[16];
 #pragma unroll
   for (int k = 0; k < 16; ++k) acc[k] = 0.f;
@@ -420,10 +433,11 @@ __global__ void __launch_bounds__(RF_SH_BLOCK) sh_bwd(int degree, long long item
     }
   }
   if (!live) return;
-  float* vc = v_coeffs + set * K * 3 + ch;
+  v_dc[set * dc_stride + ch] = acc[0];
+  float* vc = v_rest + set * rest_stride + ch;  // vc[3 (k - 1)]: coefficient k >= 1
 #pragma unroll
-  for (int k = 0; k < 16; ++k) {
-    if (k < K) vc[3 * k] = acc[k];  // 0 past the degree
+  for (int k = 1; k < 16; ++k) {
+    if (k < K) vc[3 * (k - 1)] = acc[k];  // 0 past the degree
   }
-  for (int k = 16; k < K; ++k) vc[3 * k] = 0.f;  // unused rows
+  for (int k = 16; k < K; ++k) vc[3 * (k - 1)] = 0.f;  // unused rows
 }

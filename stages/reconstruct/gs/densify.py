@@ -62,6 +62,9 @@ class DensifyParams:
     # screen-size pruning is inert through a bug, graphdeco-inria/gaussian-splatting#123).
     refine_scale2d_stop: int = 0
     absgrad: bool = False  # AbsGS: sum |dL/dmeans2d| (the rasterizer needs absgrad=True); raise grow_grad2d
+    # Split halves get opacity 1 - sqrt(1 - o) instead of o (Bulo et al. 2024, gsplat's
+    # revised_opacity): two overlapping halves then block as much light as the one they replace.
+    revised_opacity: bool = False
     max_gaussians: int = 0  # growth stops at this many Gaussians; 0 = no budget
 
     def __post_init__(self) -> None:
@@ -348,7 +351,7 @@ class DensifyStrategy:
             self._duplicate(params, optimizers, stats, dupli)
             split = torch.cat([split, split.new_zeros(n_dupli)])  # copies are not split
         if n_split:
-            self._split(params, optimizers, stats, split, generator)
+            self._split(params, optimizers, stats, split, generator, cfg.revised_opacity)
         return {"duplicated": n_dupli, "split": n_split, "budget_hit": budget_hit}
 
     @staticmethod
@@ -359,7 +362,8 @@ class DensifyStrategy:
             stats[key] = torch.cat([stats[key], stats[key][sel]])
 
     @staticmethod
-    def _split(params, optimizers, stats: Statistics, mask: Tensor, generator: torch.Generator) -> None:
+    def _split(params, optimizers, stats: Statistics, mask: Tensor, generator: torch.Generator,
+               revised_opacity: bool = False) -> None:
         sel = torch.nonzero(mask).squeeze(1)
         rest = torch.nonzero(~mask).squeeze(1)
         scales = params["scales"][sel].exp()  # [S, 3]
@@ -372,6 +376,10 @@ class DensifyStrategy:
                 new_rows[name] = (p[sel] + offsets).reshape(-1, 3)
             elif name == "scales":
                 new_rows[name] = torch.log(scales / _SPLIT_SCALE_DIVISOR).repeat(2, 1)
+            elif name == "opacities" and revised_opacity:
+                # 1 - (1 - o')^2 = o: the halves' combined alpha where they overlap is the parent's
+                half = 1.0 - torch.sqrt((1.0 - torch.sigmoid(p[sel])).clamp_min(0.0))
+                new_rows[name] = torch.logit(half, eps=1e-6).repeat(2)
             else:
                 new_rows[name] = p[sel].repeat(2, *([1] * (p.ndim - 1)))
         update_rows(params, optimizers, rest, new_rows)

@@ -216,7 +216,7 @@ class GaussianMethod:
         budget = {} if capacity is None else {"capacity": capacity}  # the CUDA-graph view's (gs/graph.py)
         return (self.renderer or kernels.rasterization)(
             g["means"], g["quats"], torch.exp(g["scales"]), torch.sigmoid(g["opacities"]),
-            torch.cat([g["sh0"], g["shN"]], dim=1), viewmats, Ks, width, height, sh_degree=sh_degree,
+            (g["sh0"], g["shN"]), viewmats, Ks, width, height, sh_degree=sh_degree,
             backgrounds=backgrounds, near_plane=self.cfg.near, far_plane=self.cfg.far, eps2d=self.cfg.eps2d,
             antialiased=self.cfg.antialiased, absgrad=absgrad, render_mode=render_mode, validate=validate,
             alpha_max=self.cfg.alpha_max, **budget)
