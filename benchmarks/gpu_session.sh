@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. p, q .. u, x .. z; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. p, q .. w, x .. z; default a; each about 10 min)
 # Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
 # on fox; lego 3DGS at 30k beside gsplat); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
 # earlier parts are the commands the results JSONs cite.
@@ -260,6 +260,14 @@ u)
       --seeds 0 1 2 --set "densify={absgrad: true, grow_grad2d: 0.0008}" --json "$OUT/absgrad_$sc.json"
   done
   ;;
-*) echo "gpu_session: part must be one of a-p, q-u, x-z" >&2; exit 2 ;;
+v)
+  # issue 16 at 30k on the real captures, ours as shipped (SH read in place) beside gsplat as installed,
+  # one process a scene: fern here, fox in w (lego's is part p)
+  step gs30k_fern 480 python3 benchmarks/bench_3dgs.py --poses fern=$D/fern --steps 30000 --json "$OUT/gs30k_fern.json"
+  ;;
+w)
+  step gs30k_fox 300 python3 benchmarks/bench_3dgs.py --poses fox=$D/fox --steps 30000 --json "$OUT/gs30k_fox.json"
+  ;;
+*) echo "gpu_session: part must be one of a-p, q-w, x-z" >&2; exit 2 ;;
 esac
 echo "== done"
