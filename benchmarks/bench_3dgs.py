@@ -236,9 +236,7 @@ def run_gsplat(scene, steps: int, device, over: dict | None = None, reset_fix: b
     views = _Views(scene.train.to(device), ViewSampler(len(scene.train), shard), device)  # as ours reads them
     rgba = views.channels == 4
     eval_bg = eval_background(scene).to(device)
-    profiler = StepProfiler(0, device)  # RAYFORGE_PROFILE: gsplat's steps beside ours, in <folder>/gsplat
-    if profiler.folder:
-        profiler.folder = str(Path(profiler.folder) / "gsplat")
+    profiler = StepProfiler(0, device, "gsplat")  # RAYFORGE_PROFILE: gsplat's steps beside ours, in <folder>/gsplat
     settle(device)
     torch.cuda.synchronize()
     t0 = time.perf_counter()

@@ -452,6 +452,18 @@ def test_bad_inputs_raise_value_errors_naming_the_problem():
             render(**kw)
     with pytest.raises(ValueError, match="sh_degree"):
         render(colors=torch.rand(10, 4, 3), sh_degree=2)
+    sh = torch.rand(10, 9, 3)  # SH as a 3DGS model holds them, (sh0, shN): the same render as one tensor
+    want = render(colors=sh, sh_degree=2)
+    got = render(colors=(sh[:, :1].contiguous(), sh[:, 1:].contiguous()), sh_degree=2)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"colors\[1\] \(shN\) must have shape \[N, K-1, 3\] \(N=10"):
+        render(colors=(sh[:, :1].contiguous(), sh[:9, 1:].contiguous()), sh_degree=2)
+    with pytest.raises(ValueError, match=r"colors\[0\] \(sh0\) must have shape \[N, 1, 3\]"):
+        render(colors=(sh[:, :2].contiguous(), sh[:, 2:].contiguous()), sh_degree=2)
+    with pytest.raises(ValueError, match="colors as SH parts must be"):
+        render(colors=(sh,), sh_degree=2)
+    with pytest.raises(ValueError, match=r"colors must hold K >= .* = 16 SH coefficients, got K=9"):
+        render(colors=(sh[:, :1].contiguous(), sh[:, 1:].contiguous()), sh_degree=3)
     with pytest.raises(ValueError, match="coeffs must hold K"):
         kernels.spherical_harmonics(3, torch.rand(5, 3), torch.rand(5, 9, 3))
     with pytest.raises(ValueError, match="degree must be"):

@@ -172,8 +172,11 @@ class StepProfiler:
     CPU time) to ``<folder>/rank<r>.txt`` and, with ``RAYFORGE_PROFILE_TRACE=1``, a Chrome trace to
     ``<folder>/trace_rank<r>.json``."""
 
-    def __init__(self, rank: int, device: torch.device):
-        self.folder = os.environ.get("RAYFORGE_PROFILE")
+    def __init__(self, rank: int, device: torch.device, subfolder: str = ""):
+        """``subfolder``: the tables go to ``<folder>/<subfolder>`` (a second loop profiled in the
+        same process, as bench_3dgs.py does for gsplat's)."""
+        folder = os.environ.get("RAYFORGE_PROFILE")
+        self.folder = os.path.join(folder, subfolder) if folder and subfolder else folder
         a, _, b = os.environ.get("RAYFORGE_PROFILE_STEPS", "20:40").partition(":")
         self.first, self.last = int(a), int(b)
         self.rank, self.device, self.prof = rank, device, None
