@@ -151,6 +151,18 @@ def project(means, quats, scales, viewmats, Ks, width, height, eps2d, near, far,
 # ---------------------------------------------------------------------------- spherical harmonics
 
 
+def _sh_arrays(coeffs, rest) -> tuple[int, int, tuple]:
+    """(K, coefficient sets, the kernels' four array arguments dc, dc_stride, rest, rest_stride) of
+    one [..., K, 3] tensor (``rest`` None: coefficient 1 starts 3 floats into each set) or of the
+    pair ([..., 1, 3], [..., K - 1, 3]); the same for their gradients."""
+    if rest is None:
+        K = coeffs.shape[-2]
+        return K, coeffs.numel() // (3 * K), (_p(coeffs), (3 * K, i64), (coeffs.data_ptr() + 4 * 3, ptr),
+                                              (3 * K, i64))
+    K = 1 + rest.shape[-2]
+    return K, coeffs.numel() // 3, (_p(coeffs), (3, i64), _p(rest), (3 * (K - 1), i64))
+
+
 class _SH(torch.autograd.Function):
     """One [..., K, 3] coefficient tensor (``rest`` None), or 3DGS's pair: ``coeffs`` the degree-0
     row [..., 1, 3] and ``rest`` the other K - 1 rows [..., K - 1, 3], read where they lie (the
@@ -158,47 +170,36 @@ class _SH(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, dirs, coeffs, rest, degree):
-        if rest is None:
-            K = coeffs.shape[-2]
-            sets = coeffs.numel() // (K * 3)
-            layout = (_p(coeffs), (3 * K, i64), (coeffs.data_ptr() + 4 * 3, ptr), (3 * K, i64))
-        else:
-            K = 1 + rest.shape[-2]
-            sets = coeffs.numel() // 3
-            layout = (_p(coeffs), (3, i64), _p(rest), (3 * (K - 1), i64))
+        K, sets, arrays = _sh_arrays(coeffs, rest)
         items = dirs.numel() // 3
         out = torch.empty(*dirs.shape[:-1], 3, device=dirs.device)
         if items:
             program("project").launch(
                 "sh_fwd", _blocks(3 * items, SH_BLOCK), (SH_BLOCK,),
-                [(degree, i32), (items, i64), (sets, i64), (K, i32), _p(dirs), *layout, _p(out)],
+                [(degree, i32), (items, i64), (sets, i64), (K, i32), _p(dirs), *arrays, _p(out)],
                 device=dirs.device)
         ctx.save_for_backward(dirs, coeffs, rest)
-        ctx.degree, ctx.K, ctx.sets, ctx.layout = degree, K, sets, layout
+        ctx.degree = degree
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_colors):
         dirs, coeffs, rest = ctx.saved_tensors
-        K, sets, layout = ctx.K, ctx.sets, ctx.layout
+        K, sets, arrays = _sh_arrays(coeffs, rest)
         items = dirs.numel() // 3
         # one thread per (coefficient set, channel), which writes its channel of the set (and, for
         # channel 0, each item's v_dirs); without items nothing is written, so the buffers start at 0
         new = torch.empty_like if items else torch.zeros_like
-        v_coeffs = new(coeffs)
-        v_rest = None if rest is None else new(rest)
-        if rest is None:
-            out = (_p(v_coeffs), (v_coeffs.data_ptr() + 4 * 3, ptr))
-        else:
-            out = (_p(v_coeffs), _p(v_rest))
+        v_coeffs, v_rest = new(coeffs), None if rest is None else new(rest)
+        v_arrays = _sh_arrays(v_coeffs, v_rest)[2]  # laid out as the coefficients: same strides
         v_dirs = torch.empty_like(dirs) if ctx.needs_input_grad[0] else None
         g_colors = g_colors.to(torch.float32).contiguous()
         if items:
             program("project").launch(
                 "sh_bwd", _blocks(3 * sets, SH_BLOCK), (SH_BLOCK,),
-                [(ctx.degree, i32), (items, i64), (sets, i64), (K, i32), _p(dirs), *layout, _p(g_colors),
-                 *out, _p(v_dirs)],
+                [(ctx.degree, i32), (items, i64), (sets, i64), (K, i32), _p(dirs), *arrays, _p(g_colors),
+                 v_arrays[0], v_arrays[2], _p(v_dirs)],
                 device=dirs.device)
         return (v_dirs, v_coeffs if ctx.needs_input_grad[1] else None,
                 v_rest if ctx.needs_input_grad[2] else None, None)

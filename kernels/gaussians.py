@@ -249,11 +249,10 @@ def spherical_harmonics(degree: int, dirs, coeffs):
 def _sh(degree, dirs, coeffs):
     """coeffs' batch dims are those of dirs or a suffix of them (broadcast over the leading ones);
     coeffs may be the pair (degree-0 row [..., 1, 3], the others [..., K - 1, 3])."""
-    pair = isinstance(coeffs, (tuple, list))
+    parts = tuple(coeffs) if isinstance(coeffs, (tuple, list)) else (coeffs,)
     if _use_cuda(dirs.device):
-        return _cuda().spherical_harmonics(degree, dirs, *coeffs) if pair else \
-            _cuda().spherical_harmonics(degree, dirs, coeffs)
-    return spherical_harmonics_reference(degree, dirs, torch.cat(list(coeffs), -2) if pair else coeffs)
+        return _cuda().spherical_harmonics(degree, dirs, *parts)
+    return spherical_harmonics_reference(degree, dirs, parts[0] if len(parts) == 1 else torch.cat(parts, -2))
 
 
 def _check_budget(total: int) -> None:

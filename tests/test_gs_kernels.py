@@ -167,6 +167,17 @@ def test_projection_matches_the_twin(cuda, antialiased):
 # ---------------------------------------------------------------------------- spherical harmonics
 
 
+def _same_as_the_pair(degree, d, c, out, cot, got):
+    """3DGS's pair (sh0 [N, 1, 3], shN [N, K - 1, 3]), each read where it lies, gives the colours
+    ``out`` and the gradients ``got`` (d/ddirs, d/dcoeffs) of one [N, K, 3] tensor ``c``, bit for bit."""
+    c0, cr = c.detach()[:, :1].clone().requires_grad_(), c.detach()[:, 1:].clone().requires_grad_()
+    out_p = kernels.gaussians._sh(degree, d, (c0, cr))
+    torch.testing.assert_close(out_p, out, rtol=0, atol=0)
+    got_p = torch.autograd.grad((out_p * cot).sum(), (d, c0, cr))
+    torch.testing.assert_close(got_p[0], got[0], rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat(got_p[1:], 1), got[1], rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("degree", [0, 1, 2, 3])
@@ -191,13 +202,7 @@ def test_spherical_harmonics_match_the_twin(cuda, degree):
     _close(got[0], want[0], 1e-4, 1e-6, "d/ddirs")  # float32 sums of <= 16 terms
     _close(got[1], want[1], 1e-4, 1e-6, "d/dcoeffs")
     assert (got[1][:, (degree + 1) ** 2:] == 0).all()
-    # 3DGS's pair (sh0 [N, 1, 3], shN [N, K - 1, 3]), each read where it lies: the same numbers, split
-    c0, cr = c.detach()[:, :1].clone().requires_grad_(), c.detach()[:, 1:].clone().requires_grad_()
-    out_p = kernels.gaussians._sh(degree, d, (c0, cr))
-    torch.testing.assert_close(out_p, out_b, rtol=0, atol=0)
-    got_p = torch.autograd.grad((out_p * cot.to(cuda)).sum(), (d, c0, cr))
-    torch.testing.assert_close(got_p[0], got[0], rtol=0, atol=0)
-    torch.testing.assert_close(torch.cat(got_p[1:], 1), got[1], rtol=0, atol=0)
+    _same_as_the_pair(degree, d, c, out_b, cot.to(cuda), got)
 
 
 @pytest.mark.gpu
@@ -222,13 +227,7 @@ def test_spherical_harmonics_across_blocks(cuda, n_sets, n_cams, degree):
     _close(got[0], want[0], 1e-4, 1e-6, "d/ddirs")
     _close(got[1], want[1], 1e-4, 1e-6, "d/dcoeffs")
     assert (got[1][:, (degree + 1) ** 2:] == 0).all()
-    # 3DGS's pair (sh0 [N, 1, 3], shN [N, K - 1, 3]), each read where it lies: the same numbers, split
-    c0, cr = c.detach()[:, :1].clone().requires_grad_(), c.detach()[:, 1:].clone().requires_grad_()
-    out_p = kernels.gaussians._sh(degree, d, (c0, cr))
-    torch.testing.assert_close(out_p, out, rtol=0, atol=0)
-    got_p = torch.autograd.grad((out_p * cot.to(cuda)).sum(), (d, c0, cr))
-    torch.testing.assert_close(got_p[0], got[0], rtol=0, atol=0)
-    torch.testing.assert_close(torch.cat(got_p[1:], 1), got[1], rtol=0, atol=0)
+    _same_as_the_pair(degree, d, c, out, cot.to(cuda), got)
 
 
 # ---------------------------------------------------------------------------- tiles

@@ -378,7 +378,7 @@ class DensifyStrategy:
                 new_rows[name] = torch.log(scales / _SPLIT_SCALE_DIVISOR).repeat(2, 1)
             elif name == "opacities" and revised_opacity:
                 # 1 - (1 - o')^2 = o: the halves' combined alpha where they overlap is the parent's
-                half = 1.0 - torch.sqrt((1.0 - torch.sigmoid(p[sel])).clamp_min(0.0))
+                half = 1.0 - torch.sqrt(1.0 - torch.sigmoid(p[sel]))
                 new_rows[name] = torch.logit(half, eps=1e-6).repeat(2)
             else:
                 new_rows[name] = p[sel].repeat(2, *([1] * (p.ndim - 1)))
