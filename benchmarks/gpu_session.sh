@@ -268,6 +268,19 @@ v)
 w)
   step gs30k_fox 300 python3 benchmarks/bench_3dgs.py --poses fox=$D/fox --steps 30000 --json "$OUT/gs30k_fox.json"
   ;;
-*) echo "gpu_session: part must be one of a-p, q-w, x-z" >&2; exit 2 ;;
+aa)
+  # 2026-12-06 (session of 12-05/06), issue 16 at 7k, ours alone, three seeds: no opacity reset in the
+  # run's last reset_every steps (densify.skip_late_reset), and on fox the pipeline's learned background
+  # colour (bench_3dgs turns it off by default), each alone and together
+  for sc in fox lego; do
+    step late_$sc 130 python3 benchmarks/bench_3dgs.py --poses $sc=$D/$sc --steps 7000 --only rayforge \
+      --seeds 0 1 2 --set "densify={skip_late_reset: true}" --json "$OUT/late_$sc.json"
+  done
+  step bg_fox 130 python3 benchmarks/bench_3dgs.py --poses fox=$D/fox --steps 7000 --only rayforge \
+    --seeds 0 1 2 --set learn_background=auto --json "$OUT/bg_fox.json"
+  step late_bg_fox 130 python3 benchmarks/bench_3dgs.py --poses fox=$D/fox --steps 7000 --only rayforge \
+    --seeds 0 1 2 --set learn_background=auto --set "densify={skip_late_reset: true}" --json "$OUT/late_bg_fox.json"
+  ;;
+*) echo "gpu_session: part must be one of a-z, aa" >&2; exit 2 ;;
 esac
 echo "== done"

@@ -416,6 +416,26 @@ def test_opacity_reset_clamps_and_zeroes_the_moments():
     assert not strat.step(3001, params, opt, torch.Generator(), scene_extent=1.0)["reset"]
 
 
+def test_skip_late_reset_keeps_the_reset_that_has_time_to_be_relearned():
+    cfg = dz.DensifyParams(refine_start=19_000, refine_stop=20_000, skip_late_reset=True)
+
+    def resets(strat, total):
+        params, opt = _gaussians([0.005] * 2, [0.5, 0.5])
+        done = [s for s in (3000, 6000, 9000, 12000) if s < total
+                and strat.step(s, params, opt, torch.Generator(), scene_extent=1.0)["reset"]]
+        return done, params["opacities"].detach().sigmoid()
+
+    # a 7000-step run: the reset at 6000 has 1000 steps left, fewer than reset_every
+    done, alpha = resets(dz.DensifyStrategy(cfg, total_steps=7000), 7000)
+    assert done == [3000] and torch.allclose(alpha, torch.full((2,), 0.01))
+    assert resets(dz.DensifyStrategy(cfg, total_steps=30_000), 30_000)[0] == [3000, 6000, 9000, 12000]
+    assert resets(dz.DensifyStrategy(cfg, total_steps=9000), 9000)[0] == [3000, 6000]  # 6000 + 3000 fits
+    plain = dz.DensifyParams(refine_start=19_000, refine_stop=20_000)
+    assert resets(dz.DensifyStrategy(plain, total_steps=7000), 7000)[0] == [3000, 6000]  # off: the reference
+    with pytest.raises(ValueError, match="total_steps"):
+        dz.DensifyStrategy(cfg)
+
+
 def test_decisions_read_the_reduced_statistics():
     """The reduce hook's output decides: here a stand-in for a second rank whose views saw
     Gaussian 1 with a high gradient."""

@@ -65,6 +65,10 @@ class DensifyParams:
     # Split halves get opacity 1 - sqrt(1 - o) instead of o (Bulo et al. 2024, gsplat's
     # revised_opacity): two overlapping halves then block as much light as the one they replace.
     revised_opacity: bool = False
+    # No opacity reset in the run's last reset_every steps (not in gsplat or the reference): such a
+    # reset has too little time left to be re-learned. A 7000-step run then resets at 3000 only; a
+    # 30000-step run is unchanged (its resets stop with refine_stop).
+    skip_late_reset: bool = False
     max_gaussians: int = 0  # growth stops at this many Gaussians; 0 = no budget
 
     def __post_init__(self) -> None:
@@ -223,10 +227,15 @@ class DensifyStrategy:
         reduce: applied to the statistics (``{"grad2d", "count", "radii"}``, each [N]) before every
             decision; it must return statistics that are identical on all ranks
             (:func:`all_reduce_statistics`). Identity by default.
+        total_steps: the run's length, for ``skip_late_reset`` (required with it).
     """
 
-    def __init__(self, params: DensifyParams | None = None, reduce: Reducer | None = None):
+    def __init__(self, params: DensifyParams | None = None, reduce: Reducer | None = None,
+                 total_steps: int | None = None):
         self.params = params or DensifyParams()
+        if self.params.skip_late_reset and total_steps is None:
+            raise ValueError("densify.skip_late_reset needs the run's total_steps")
+        self.total_steps = total_steps
         self.reduce = reduce or _identity
         self.stats: Statistics | None = None  # created on the first accumulate
         self.budget_reached = False  # reported once, the first time the budget capped growth
@@ -310,11 +319,15 @@ class DensifyStrategy:
             out.update(self._grow(step, params, optimizers, stats, generator, scene_extent))
             out["pruned"] = self._prune(step, params, optimizers, stats, scene_extent)
             self.stats = {key: torch.zeros_like(params["opacities"]) for key in _STAT_NAMES}
-        if step > 0 and step % cfg.reset_every == 0:
+        if step > 0 and step % cfg.reset_every == 0 and not self._late(step):
             self._reset_opacities(params, optimizers)
             out["reset"] = True
         out["n_gaussians"] = params["means"].shape[0]
         return out
+
+    def _late(self, step: int) -> bool:
+        """Whether a reset at ``step`` falls in the run's last ``reset_every`` steps and is skipped."""
+        return self.params.skip_late_reset and step > self.total_steps - self.params.reset_every
 
     def _reduced(self, params: Mapping[str, Tensor]) -> Statistics:
         n = params["means"].shape[0]
