@@ -271,9 +271,11 @@ w)
 aa)
   # 2026-12-06 (session of 12-05/06), issue 16 at 7k, ours alone, three seeds: no opacity reset in the
   # run's last reset_every steps (densify.skip_late_reset), and on fox the pipeline's learned background
-  # colour (bench_3dgs turns it off by default), each alone and together
+  # colour (bench_3dgs turns it off by default), each alone and together; first the GPU tests of the
+  # graph steps, whose summaries now count the seconds spent capturing (cuda_graph.capture_s)
+  step graph_tests 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gs_graph.py tests/test_cuda_graph.py
   for sc in fox lego; do
-    step late_$sc 130 python3 benchmarks/bench_3dgs.py --poses $sc=$D/$sc --steps 7000 --only rayforge \
+    step late_$sc 125 python3 benchmarks/bench_3dgs.py --poses $sc=$D/$sc --steps 7000 --only rayforge \
       --seeds 0 1 2 --set "densify={skip_late_reset: true}" --json "$OUT/late_$sc.json"
   done
   step bg_fox 130 python3 benchmarks/bench_3dgs.py --poses fox=$D/fox --steps 7000 --only rayforge \
