@@ -273,7 +273,9 @@ aa)
   # run's last reset_every steps (densify.skip_late_reset), and on fox the pipeline's learned background
   # colour (bench_3dgs turns it off by default), each alone and together; first the GPU tests of the
   # graph steps, whose summaries now count the seconds spent capturing (cuda_graph.capture_s)
-  step graph_tests 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gs_graph.py tests/test_cuda_graph.py
+  # and of the partitioned renderer, which now hands (sh0, shN) to the SH kernels in place
+  step graph_tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gs_graph.py tests/test_cuda_graph.py \
+    tests/test_partitioned.py
   for sc in fox lego; do
     step late_$sc 125 python3 benchmarks/bench_3dgs.py --poses $sc=$D/$sc --steps 7000 --only rayforge \
       --seeds 0 1 2 --set "densify={skip_late_reset: true}" --json "$OUT/late_$sc.json"
