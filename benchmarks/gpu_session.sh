@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa, ab; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. ac; default a; each about 10 min)
 # Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
 # on fox; lego 3DGS at 30k beside gsplat); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
 # earlier parts are the commands the results JSONs cite.
@@ -293,6 +293,13 @@ ab)
   nq lego_res1024 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.max_resolution=1024
   nq lego_t21 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.log2_hashmap_size=21
   ;;
-*) echo "gpu_session: part must be one of a-z, aa, ab" >&2; exit 2 ;;
+ac)
+  # part aa cut to the device time left after refusals (2026-12-06): both levers on fox, the late reset on lego
+  step late_lego 125 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 7000 --only rayforge \
+    --seeds 0 1 2 --set "densify={skip_late_reset: true}" --json "$OUT/late_lego.json"
+  step late_bg_fox 130 python3 benchmarks/bench_3dgs.py --poses fox=$D/fox --steps 7000 --only rayforge \
+    --seeds 0 1 2 --set learn_background=auto --set "densify={skip_late_reset: true}" --json "$OUT/late_bg_fox.json"
+  ;;
+*) echo "gpu_session: part must be one of a-z, aa-ac" >&2; exit 2 ;;
 esac
 echo "== done"
