@@ -272,8 +272,8 @@ aa)
   # 2026-12-06 (session of 12-05/06), issue 16 at 7k, ours alone, three seeds: no opacity reset in the
   # run's last reset_every steps (densify.skip_late_reset), and on fox the pipeline's learned background
   # colour (bench_3dgs turns it off by default), each alone and together; first the GPU tests of the
-  # graph steps, whose summaries now count the seconds spent capturing (cuda_graph.capture_s)
-  # and of the partitioned renderer, which now hands (sh0, shN) to the SH kernels in place
+  # graph steps and of the partitioned renderer, which now hands (sh0, shN) to the SH kernels in place
+  # (with commit f461723's cuda_graph.capture_s re-applied, they test that too). Never ran: no machine.
   step graph_tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gs_graph.py tests/test_cuda_graph.py \
     tests/test_partitioned.py
   for sc in fox lego; do
@@ -294,7 +294,8 @@ ab)
   nq lego_t21 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.log2_hashmap_size=21
   ;;
 ac)
-  # part aa cut to the device time left after refusals (2026-12-06): both levers on fox, the late reset on lego
+  # part aa cut to the device time left after refusals (2026-12-06): both levers on fox, the late reset on lego.
+  # Never ran: the session's device time went to refused starts.
   step late_lego 125 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 7000 --only rayforge \
     --seeds 0 1 2 --set "densify={skip_late_reset: true}" --json "$OUT/late_lego.json"
   step late_bg_fox 130 python3 benchmarks/bench_3dgs.py --poses fox=$D/fox --steps 7000 --only rayforge \
