@@ -126,7 +126,8 @@ class GaussianMethod:
                 eps=1e-15 / math.sqrt(cfg.batch_views), fused=device.type == "cuda")
         gamma = (cfg.means_lr_final / cfg.means_lr) ** (1.0 / max(1, params.steps))
         self.schedulers = {"means": torch.optim.lr_scheduler.ExponentialLR(self.optimizers["means"], gamma)}
-        self.densify = MCMCStrategy(cfg.mcmc) if cfg.strategy == "mcmc" else DensifyStrategy(cfg.densify, total_steps=params.steps)
+        self.densify = (MCMCStrategy(cfg.mcmc) if cfg.strategy == "mcmc"
+                        else DensifyStrategy(cfg.densify, total_steps=params.steps))
         self.graphed = self._captured_view(cfg.cuda_graph, params)
         self.densify_log: list[dict] = []
         self._has_alpha = False
