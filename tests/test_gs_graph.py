@@ -207,6 +207,7 @@ def test_training_with_the_graph_keeps_pace_with_eager_training(tmp_path, cuda):
     # views over budget stay rare (under 5 %): the counts are scaled up when densification grows the set
     assert graph["failed"] is None and graph["replays"] >= 110 and graph["overflow_views"] <= 6
     assert graph["captures"] >= 1 + len(on.method.densify_log) // 2  # captured again after densification
+    assert graph["capture_s"] > 0  # what the re-captures cost, in the summary
     assert on.rebinds >= 1 and off.rebinds >= 1 and on.skipped_steps == 0
     assert on.rows[-1]["loss"] < 0.75 * on.rows[0]["loss"]
     assert abs(on.rows[-1]["psnr"] - off.rows[-1]["psnr"]) < 1.0, (on.rows[-1], off.rows[-1])

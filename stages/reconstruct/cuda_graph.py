@@ -17,6 +17,7 @@ points them at its all-reduce buckets (those are kept when they are what the gra
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections import deque
 
@@ -78,6 +79,7 @@ class GraphStep:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.capacity = 0
         self.captures = 0
+        self.capture_s = 0.0  # wall time spent capturing (warm-ups included), the cost of each re-capture
         self.overflow_steps = 0
         self.replays = 0
         self.events: list[tuple] = []  # the first captures and overflows: (kind, replay, count, budget)
@@ -173,6 +175,10 @@ class GraphStep:
     # ------------------------------------------------------------------ capture and replay
     def _capture(self, capacity: int) -> None:
         self.graph, self._out = None, None  # frees the old graph's memory pool
+        # capturing synchronises anyway (torch.cuda.graph drains the queue): drain it first, so that
+        # capture_s counts the capture and its warm-ups, not the steps queued before
+        torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
         self.capacity = capacity
         self._bind_grads()
         saved = [g.clone() for g in self._grads]  # the warm-ups add into the gradients: put them back
@@ -190,6 +196,7 @@ class GraphStep:
             torch._foreach_copy_(self._grads, saved)
         self.graph, self._out = graph, out
         self.captures += 1
+        self.capture_s += time.perf_counter() - start
         self._note("capture", self._need, capacity)
 
     def _ensure_captured(self) -> bool:

@@ -105,5 +105,6 @@ class CapturedView(GraphStep):
         return loss.clone(), mse.clone(), meta
 
     def summary(self) -> dict:
-        return {"captures": self.captures, "replays": self.replays, "overflow_views": self.overflow_steps,
+        return {"captures": self.captures, "capture_s": round(self.capture_s, 3), "replays": self.replays,
+                "overflow_views": self.overflow_steps,
                 "budget": self.capacity, "max_intersections": self.max_count, "failed": self.failed}

@@ -302,7 +302,8 @@ class NerfMethod:
     def summary(self) -> dict:
         g = self.graphed
         graph = None if g is None else {
-            "captures": g.captures, "budget_samples": g.capacity, "max_samples_seen": g.max_count,
+            "captures": g.captures, "capture_s": round(g.capture_s, 3), "budget_samples": g.capacity,
+            "max_samples_seen": g.max_count,
             "overflow_steps": g.overflow_steps, "failed": g.failed, "events": [list(e) for e in g.events]}
         if g is not None and g.cull:
             graph.update(march_budget=g.march_capacity, march_overflow_steps=g.march_overflow_steps)
