@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. ac; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. ae; default a; each about 10 min)
 # Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
 # on fox; lego 3DGS at 30k beside gsplat); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
 # earlier parts are the commands the results JSONs cite.
@@ -301,6 +301,23 @@ ac)
   step late_bg_fox 130 python3 benchmarks/bench_3dgs.py --poses fox=$D/fox --steps 7000 --only rayforge \
     --seeds 0 1 2 --set learn_background=auto --set "densify={skip_late_reset: true}" --json "$OUT/late_bg_fox.json"
   ;;
-*) echo "gpu_session: part must be one of a-z, aa-ac" >&2; exit 2 ;;
+ad)
+  # 2026-12-06 (session of 12-06), issue 16 at 7k, three seeds, each lever beside gsplat 1.5.3 in the same run:
+  # lego without the opacity reset in the run's last reset_every steps (densify.skip_late_reset); fox with that
+  # and the pipeline's learned background colour (bench_3dgs turns it off unless --set says otherwise)
+  step cmp7k_lego 300 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 7000 --seeds 0 1 2 \
+    --set "densify={skip_late_reset: true}" --json "$OUT/cmp7k_lego.json"
+  step cmp7k_fox 220 python3 benchmarks/bench_3dgs.py --poses fox=$D/fox --steps 7000 --seeds 0 1 2 \
+    --set learn_background=auto --set "densify={skip_late_reset: true}" --json "$OUT/cmp7k_fox.json"
+  ;;
+ae)
+  # the GPU tests of the graph steps (cuda_graph.capture_s) and of the partitioned renderer (SH pair in place),
+  # then lego at 30k beside gsplat with the settings part ad measured (skip_late_reset has no effect past 15k)
+  step graph_tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gs_graph.py tests/test_cuda_graph.py \
+    tests/test_partitioned.py
+  step cmp30k_lego 300 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 30000 \
+    --set "densify={skip_late_reset: true}" --json "$OUT/cmp30k_lego.json"
+  ;;
+*) echo "gpu_session: part must be one of a-z, aa-ae" >&2; exit 2 ;;
 esac
 echo "== done"
