@@ -272,8 +272,9 @@ aa)
   # 2026-12-06 (session of 12-05/06), issue 16 at 7k, ours alone, three seeds: no opacity reset in the
   # run's last reset_every steps (densify.skip_late_reset), and on fox the pipeline's learned background
   # colour (bench_3dgs turns it off by default), each alone and together; first the GPU tests of the
-  # graph steps and of the partitioned renderer, which now hands (sh0, shN) to the SH kernels in place
-  # (with commit f461723's cuda_graph.capture_s re-applied, they test that too). Never ran: no machine.
+  # graph steps and of the partitioned renderer, for two changes reverted until they run: f461723
+  # (cuda_graph.capture_s) and c7e42d7 + bbb0417 (the partitioned renderer hands (sh0, shN) to the SH
+  # kernels in place). Re-apply them (git revert of their reverts) first. Never ran: no machine.
   step graph_tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gs_graph.py tests/test_cuda_graph.py \
     tests/test_partitioned.py
   for sc in fox lego; do
