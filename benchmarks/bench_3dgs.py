@@ -8,14 +8,20 @@ For every scene and step count both trainers start from the same Gaussians (this
 same views in the same order (the method's epoch-shuffled sampler), with the same random
 backgrounds for RGBA views, the same hyperparameters (the 3DGS reference's: the learning-rate
 table, SH degree every 1000 steps, loss 0.8 L1 + 0.2 (1 - SSIM), densification from step 500
-to 15k every 100 steps, opacity reset every 3000) and the same SSIM loss kernel
+to 15k every 100 steps, opacity reset every 3000: ours skips one that falls in the run's last 3000
+steps, ``gs.densify.skip_late_reset``, and gsplat 1.5.3 as installed never resets, see below) and the
+same SSIM loss kernel
 (``kernels.ssim``: gsplat's example trainer takes fused-ssim, which has no wheel; the same op
 in both loops keeps the comparison about the rasterizer, the densification and the loop).
 
 * ours: ``stages.reconstruct.train.train`` with ``reconstruct.method: 3dgs`` (the pipeline's
   own loop: CUDA rasterizer kernels, fused SSIM, DensifyStrategy, fused Adam, each view's forward
   and backward replayed in a CUDA graph, ``gs.cuda_graph: auto``); ``--eager`` adds a row
-  ``rayforge-eager`` of the same loop with ``gs.cuda_graph: off``;
+  ``rayforge-eager`` of the same loop with ``gs.cuda_graph: off``. Ours runs as the pipeline ships
+  it: views without alpha (fern, fox) render onto its learned background colour
+  (``gs.learn_background: auto``), where gsplat's loop renders them onto black as simple_trainer
+  does; ``--set learn_background=off`` gives ours black too (this script's default before
+  2026-12-06, and the rows of the results files dated earlier);
 * gsplat: ``gsplat.rasterization(..., packed=False)`` and ``gsplat.strategy.DefaultStrategy``
   in a loop written after gsplat's ``examples/simple_trainer.py`` (its library as users call it;
   Adam fused as ours). gsplat 1.5.3 compiles its CUDA on first use (~83 s): that happens before
@@ -72,8 +78,8 @@ from stages.reconstruct.data import composite, load_scene  # noqa: E402
 def our_params(steps: int, over: dict | None = None) -> ReconstructParams:
     d = {"method": "3dgs", "device": "cuda", "steps": steps, "eval_every": 10**9, "tensorboard": False,
          "distributed": {"gpus": 1, "checkpoint_every": 0, "replica_check_every": 0},
-         # black behind RGB views, as gsplat's loop renders them (the pipeline's default learns a colour)
-         "gs": {"learn_background": "off", **(over or {})}}
+         # the pipeline's gs defaults (a learned colour behind RGB views); --set overrides them
+         "gs": dict(over or {})}
     return from_dict(ReconstructParams, d, "reconstruct")
 
 

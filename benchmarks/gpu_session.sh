@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. ae; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. af; default a; each about 10 min)
+# 2026-12-06: ad, ae, af ran (one warm H100), then fern at 30k alone (the README's issue-16 table).
 # Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
 # on fox; lego 3DGS at 30k beside gsplat); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
 # earlier parts are the commands the results JSONs cite.
@@ -274,7 +275,8 @@ aa)
   # colour (bench_3dgs turns it off by default), each alone and together; first the GPU tests of the
   # graph steps and of the partitioned renderer, for two changes reverted until they run: f461723
   # (cuda_graph.capture_s) and c7e42d7 + bbb0417 (the partitioned renderer hands (sh0, shN) to the SH
-  # kernels in place). Re-apply them (git revert of their reverts) first. Never ran: no machine.
+  # kernels in place). Re-apply them (git revert of their reverts) first. Never ran: no machine;
+  # superseded on 2026-12-06 by parts ad-af (the levers beside gsplat) and ae (the GPU tests).
   step graph_tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gs_graph.py tests/test_cuda_graph.py \
     tests/test_partitioned.py
   for sc in fox lego; do
@@ -296,7 +298,7 @@ ab)
   ;;
 ac)
   # part aa cut to the device time left after refusals (2026-12-06): both levers on fox, the late reset on lego.
-  # Never ran: the session's device time went to refused starts.
+  # Never ran: the session's device time went to refused starts (superseded by ad, 2026-12-06).
   step late_lego 125 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 7000 --only rayforge \
     --seeds 0 1 2 --set "densify={skip_late_reset: true}" --json "$OUT/late_lego.json"
   step late_bg_fox 130 python3 benchmarks/bench_3dgs.py --poses fox=$D/fox --steps 7000 --only rayforge \
@@ -312,13 +314,23 @@ ad)
     --set learn_background=auto --set "densify={skip_late_reset: true}" --json "$OUT/cmp7k_fox.json"
   ;;
 ae)
-  # the GPU tests of the graph steps (cuda_graph.capture_s) and of the partitioned renderer (SH pair in place),
-  # then lego at 30k beside gsplat with the settings part ad measured (skip_late_reset has no effect past 15k)
+  # the GPU tests of the graph steps (cuda_graph.capture_s) and of the partitioned renderer (ran 2026-12-06 with
+  # c7e42d7 + bbb0417 re-applied: 14 passed, 1 skipped; those two were reverted again after it, as
+  # test_gs_kernels' pair check had not run), then lego at 30k beside gsplat with part ad's settings
+  # (skip_late_reset changes nothing at 30k: the resets stop at 12000)
   step graph_tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gs_graph.py tests/test_cuda_graph.py \
     tests/test_partitioned.py
   step cmp30k_lego 300 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 30000 \
     --set "densify={skip_late_reset: true}" --json "$OUT/cmp30k_lego.json"
   ;;
-*) echo "gpu_session: part must be one of a-z, aa-ae" >&2; exit 2 ;;
+af)
+  # after ad/ae: the remaining rows of issue 16 with both levers on (as the pipeline ships them from
+  # 2026-12-06): fern at 7k (three seeds) and fox at 30k, beside gsplat in the same run
+  step cmp7k_fern 230 python3 benchmarks/bench_3dgs.py --poses fern=$D/fern --steps 7000 --seeds 0 1 2 \
+    --set learn_background=auto --set "densify={skip_late_reset: true}" --json "$OUT/cmp7k_fern.json"
+  step cmp30k_fox 240 python3 benchmarks/bench_3dgs.py --poses fox=$D/fox --steps 30000 \
+    --set learn_background=auto --set "densify={skip_late_reset: true}" --json "$OUT/cmp30k_fox.json"
+  ;;
+*) echo "gpu_session: part must be one of a-z, aa-af" >&2; exit 2 ;;
 esac
 echo "== done"

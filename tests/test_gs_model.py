@@ -430,10 +430,10 @@ def test_skip_late_reset_keeps_the_reset_that_has_time_to_be_relearned():
     assert done == [3000] and torch.allclose(alpha, torch.full((2,), 0.01))
     assert resets(dz.DensifyStrategy(cfg, total_steps=30_000), 30_000)[0] == [3000, 6000, 9000, 12000]
     assert resets(dz.DensifyStrategy(cfg, total_steps=9000), 9000)[0] == [3000, 6000]  # 6000 + 3000 fits
-    plain = dz.DensifyParams(refine_start=19_000, refine_stop=20_000)
+    plain = dz.DensifyParams(refine_start=19_000, refine_stop=20_000, skip_late_reset=False)
     assert resets(dz.DensifyStrategy(plain, total_steps=7000), 7000)[0] == [3000, 6000]  # off: the reference
-    with pytest.raises(ValueError, match="total_steps"):
-        dz.DensifyStrategy(cfg)
+    assert resets(dz.DensifyStrategy(cfg), 7000)[0] == [3000, 6000]  # no known length: every reset kept
+    assert dz.DensifyParams().skip_late_reset  # the default since 2026-12-06
 
 
 def test_decisions_read_the_reduced_statistics():

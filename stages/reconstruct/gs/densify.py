@@ -67,8 +67,9 @@ class DensifyParams:
     revised_opacity: bool = False
     # No opacity reset in the run's last reset_every steps (not in gsplat or the reference): such a
     # reset has too little time left to be re-learned. A 7000-step run then resets at 3000 only; a
-    # 30000-step run is unchanged (its resets stop with refine_stop).
-    skip_late_reset: bool = False
+    # 30000-step run is unchanged (its resets stop with refine_stop). On by default since
+    # 2026-12-06: at 7k on lego it took ours from 0.13 dB under gsplat to 0.03 over (README, 3DGS).
+    skip_late_reset: bool = True
     max_gaussians: int = 0  # growth stops at this many Gaussians; 0 = no budget
 
     def __post_init__(self) -> None:
@@ -227,14 +228,13 @@ class DensifyStrategy:
         reduce: applied to the statistics (``{"grad2d", "count", "radii"}``, each [N]) before every
             decision; it must return statistics that are identical on all ranks
             (:func:`all_reduce_statistics`). Identity by default.
-        total_steps: the run's length, for ``skip_late_reset`` (required with it).
+        total_steps: the run's length, for ``skip_late_reset``; None (a length not known) keeps
+            every reset, as the reference does.
     """
 
     def __init__(self, params: DensifyParams | None = None, reduce: Reducer | None = None,
                  total_steps: int | None = None):
         self.params = params or DensifyParams()
-        if self.params.skip_late_reset and total_steps is None:
-            raise ValueError("densify.skip_late_reset needs the run's total_steps")
         self.total_steps = total_steps
         self.reduce = reduce or _identity
         self.stats: Statistics | None = None  # created on the first accumulate
@@ -327,7 +327,8 @@ class DensifyStrategy:
 
     def _late(self, step: int) -> bool:
         """Whether a reset at ``step`` falls in the run's last ``reset_every`` steps and is skipped."""
-        return self.params.skip_late_reset and step > self.total_steps - self.params.reset_every
+        return (self.params.skip_late_reset and self.total_steps is not None
+                and step > self.total_steps - self.params.reset_every)
 
     def _reduced(self, params: Mapping[str, Tensor]) -> Statistics:
         n = params["means"].shape[0]
