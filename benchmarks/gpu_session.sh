@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. af; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. ag; default a; each about 10 min)
 # 2026-12-06: ad, ae, af ran (one warm H100), then fern at 30k alone (the README's issue-16 table).
+# Next: ag (the SH pair's GPU tests after `git revert 8ead2e1`, then issue 17's NeRF levers on lego).
 # Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
 # on fox; lego 3DGS at 30k beside gsplat); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
 # earlier parts are the commands the results JSONs cite.
@@ -331,6 +332,15 @@ af)
   step cmp30k_fox 240 python3 benchmarks/bench_3dgs.py --poses fox=$D/fox --steps 30000 \
     --set learn_background=auto --set "densify={skip_late_reset: true}" --json "$OUT/cmp30k_fox.json"
   ;;
-*) echo "gpu_session: part must be one of a-z, aa-af" >&2; exit 2 ;;
+ag)
+  # for the next session: the GPU tests of the SH pair (c7e42d7 + bbb0417, reverted twice; re-apply them
+  # first with `git revert 8ead2e1`), then part ab's three NeRF levers on lego (issue 17)
+  step sh_pair_tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gs_kernels.py \
+    tests/test_gs_raster.py tests/test_partitioned.py
+  nq lego_dist 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.distortion_loss=0.001
+  nq lego_res1024 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.max_resolution=1024
+  nq lego_t21 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.log2_hashmap_size=21
+  ;;
+*) echo "gpu_session: part must be one of a-z, aa-ag" >&2; exit 2 ;;
 esac
 echo "== done"
