@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. ag; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. ah; default a; each about 10 min)
 # 2026-12-06: ad, ae, af ran (one warm H100), then fern at 30k alone (the README's issue-16 table).
-# Next: ag (the SH pair's GPU tests after `git revert 8ead2e1`, then issue 17's NeRF levers on lego).
+# Next: ag (the SH pair's GPU tests after `git revert 8ead2e1`, then issue 17's NeRF levers on lego);
+# ah (lego at 30k, seeds 1 and 2 on both sides).
 # Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
 # on fox; lego 3DGS at 30k beside gsplat); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
 # earlier parts are the commands the results JSONs cite.
@@ -341,6 +342,12 @@ ag)
   nq lego_res1024 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.max_resolution=1024
   nq lego_t21 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.log2_hashmap_size=21
   ;;
-*) echo "gpu_session: part must be one of a-z, aa-ag" >&2; exit 2 ;;
+ah)
+  # issue 16's lego 30k row beyond one seed: seeds 1 and 2 on both sides (seed 0 is part ae's; gsplat gave
+  # 35.17 on 12-05 and 34.72 on 12-06 with ours at 35.11 / 35.14), about 9 min on an H100
+  step cmp30k_lego_seeds 540 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 30000 --seeds 1 2 \
+    --json "$OUT/cmp30k_lego_seeds.json"
+  ;;
+*) echo "gpu_session: part must be one of a-z, aa-ah" >&2; exit 2 ;;
 esac
 echo "== done"
