@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. ah; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. ai; default a; each about 10 min)
 # 2026-12-06: ad, ae, af ran (one warm H100), then fern at 30k alone (the README's issue-16 table).
 # Next: ag (the SH pair's GPU tests after `git revert 8ead2e1`, then issue 17's NeRF levers on lego);
 # ah (lego at 30k, seeds 1 and 2 on both sides).
@@ -348,6 +348,15 @@ ah)
   step cmp30k_lego_seeds 540 python3 benchmarks/bench_3dgs.py --poses lego=$D/lego --steps 30000 --seeds 1 2 \
     --json "$OUT/cmp30k_lego_seeds.json"
   ;;
-*) echo "gpu_session: part must be one of a-z, aa-ah" >&2; exit 2 ;;
+ai)
+  # issue 17, more NeRF levers on lego at 15/30/60 s (2026-12-06 session 2): the learning rate annealed to
+  # lr_final by about 60 s (a 12.5k-step run, as a user training for a minute would set it), a longer
+  # average of the weights, and a doubled batch (2^19 samples a step)
+  nq lego_steps12k 110 --poses lego=$D/lego --budgets 15,30,60 --set steps=12500
+  nq lego_ema99 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.ema_decay=0.99
+  nq lego_s19 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.target_samples=524288
+  nq lego_s17 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.target_samples=131072
+  ;;
+*) echo "gpu_session: part must be one of a-z, aa-ai" >&2; exit 2 ;;
 esac
 echo "== done"

@@ -222,7 +222,8 @@ def spherical_harmonics(degree: int, dirs, coeffs):
     Args:
         degree: 0..3; the first ``(degree + 1)^2`` of the K coefficients are used.
         dirs: [..., 3] view directions (normalised inside; any length > 0).
-        coeffs: [..., K, 3], K >= (degree + 1)^2.
+        coeffs: [..., K, 3], K >= (degree + 1)^2; or a 3DGS model's pair (sh0 [..., 1, 3],
+            shN [..., K - 1, 3]), read in place (no concatenated copy on a GPU).
 
     Returns:
         [..., 3] the raw sum ``sum_k Y_k(dir) coeffs[k]`` (:func:`rasterization` adds 0.5 and clamps
@@ -239,11 +240,25 @@ def spherical_harmonics(degree: int, dirs, coeffs):
     batch = {f"B{i}": s for i, s in enumerate(dirs.shape[:-1])}
     _check("dirs", dirs, (*batch, 3), dict(batch))
     sizes = dict(batch)
-    _check("coeffs", coeffs, (*batch, "K", 3), sizes, device=dirs.device)
+    _check_sh_coeffs("coeffs", coeffs, tuple(batch), sizes, dirs.device)
     if sizes["K"] < (degree + 1) ** 2:
         raise ValueError(f"coeffs must hold K >= (degree + 1)^2 = {(degree + 1) ** 2} coefficients "
                          f"for degree {degree}, got K={sizes['K']}")
     return _sh(degree, dirs, coeffs)
+
+
+def _check_sh_coeffs(label: str, coeffs, lead: tuple, sizes: dict, device) -> None:
+    """``coeffs`` [*lead, K, 3], or the pair (sh0 [*lead, 1, 3], shN [*lead, K - 1, 3]) that a 3DGS
+    model holds; sets ``sizes["K"]``."""
+    if isinstance(coeffs, (tuple, list)):
+        if len(coeffs) != 2:
+            raise ValueError(f"{label} as SH parts must be (sh0 [N, 1, 3], shN [N, K - 1, 3]), got "
+                             f"{len(coeffs)} tensors")
+        _check(f"{label}[0] (sh0)", coeffs[0], (*lead, 1, 3), sizes, device=device)
+        _check(f"{label}[1] (shN)", coeffs[1], (*lead, "K-1", 3), sizes, device=device)
+        sizes["K"] = sizes.pop("K-1") + 1
+    else:
+        _check(label, coeffs, (*lead, "K", 3), sizes, device=device)
 
 
 def _sh(degree, dirs, coeffs):
@@ -453,15 +468,7 @@ def rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width: 
     else:
         if isinstance(sh_degree, bool) or sh_degree not in (0, 1, 2, 3):
             raise ValueError(f"sh_degree must be None or 0..3, got {sh_degree!r}")
-        if isinstance(colors, (tuple, list)):  # 3DGS's (sh0 [N, 1, 3], shN [N, K - 1, 3]), read in place
-            if len(colors) != 2:
-                raise ValueError(f"colors as SH parts must be (sh0 [N, 1, 3], shN [N, K - 1, 3]), got "
-                                 f"{len(colors)} tensors")
-            _check("colors[0] (sh0)", colors[0], ("N", 1, 3), sizes, device=dev)
-            _check("colors[1] (shN)", colors[1], ("N", "K-1", 3), sizes, device=dev)
-            sizes["K"] = sizes.pop("K-1") + 1
-        else:
-            _check("colors", colors, ("N", "K", 3), sizes, device=dev)
+        _check_sh_coeffs("colors", colors, ("N",), sizes, dev)
         if sizes["K"] < (sh_degree + 1) ** 2:
             raise ValueError(f"colors must hold K >= (sh_degree + 1)^2 = {(sh_degree + 1) ** 2} SH "
                              f"coefficients, got K={sizes['K']}")

@@ -191,6 +191,9 @@ def test_spherical_harmonics_match_the_twin(cuda, degree):
     out = kernels.spherical_harmonics(degree, d, per_item)
     _close(out, ref.spherical_harmonics_reference(degree, dirs, coeffs[None].expand(3, 500, 16, 3)), 1e-5, 1e-6,
            "colours")
+    # and one pair (sh0, shN) per direction, as the partitioned renderer passes a model's
+    pair = (per_item[..., :1, :].contiguous(), per_item[..., 1:, :].contiguous())
+    torch.testing.assert_close(kernels.spherical_harmonics(degree, d, pair), out, rtol=0, atol=0)
     # the rasterizer's: [N, K, 3] sets broadcast over [C, N] directions
     out_b = kernels.gaussians._sh(degree, d, c)
     torch.testing.assert_close(out_b, out)

@@ -468,6 +468,14 @@ def test_bad_inputs_raise_value_errors_naming_the_problem():
         kernels.spherical_harmonics(3, torch.rand(5, 3), torch.rand(5, 9, 3))
     with pytest.raises(ValueError, match="degree must be"):
         kernels.spherical_harmonics(4, torch.rand(5, 3), torch.rand(5, 25, 3))
+    # the pair a 3DGS model holds (the partitioned renderer passes it): the values of one tensor
+    dirs, sh0, shN = torch.randn(10, 3), sh[:, :1].contiguous(), sh[:, 1:].contiguous()
+    torch.testing.assert_close(kernels.spherical_harmonics(2, dirs, (sh0, shN)),
+                               kernels.spherical_harmonics(2, dirs, sh), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"coeffs\[1\] \(shN\) must have shape \[B0, K-1, 3\]"):
+        kernels.spherical_harmonics(2, dirs, (sh0, shN[:9]))
+    with pytest.raises(ValueError, match=r"coeffs must hold K >= .* = 16 coefficients for degree 3, got K=9"):
+        kernels.spherical_harmonics(3, dirs, (sh0, shN))
 
 
 def test_intersection_budget_is_checked_before_allocating():

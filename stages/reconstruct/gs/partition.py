@@ -421,10 +421,9 @@ class PartitionedRenderer:
         if sh_degree is None:
             rgb = colors[None]
         else:
-            if isinstance(colors, (tuple, list)):  # the method's (sh0, shN), as kernels.rasterization takes them
-                colors = torch.cat(list(colors), 1)
             campos = torch.linalg.inv_ex(viewmats).inverse[:, :3, 3]
             dirs = (means[None] - campos[:, None])[0].contiguous()
+            # colors may be the method's (sh0, shN), read in place as kernels.rasterization reads them
             rgb = torch.clamp_min(kernels.spherical_harmonics(sh_degree, dirs, colors) + 0.5, 0.0)[None]
         D = rgb.shape[-1]
         means2d = proj.means2d
