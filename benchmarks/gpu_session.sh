@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. ai; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. aj; default a; each about 10 min)
 # 2026-12-06: ad, ae, af ran (one warm H100), then fern at 30k alone (the README's issue-16 table).
 # Next: ag (the SH pair's GPU tests after `git revert 8ead2e1`, then issue 17's NeRF levers on lego);
 # ah (lego at 30k, seeds 1 and 2 on both sides).
@@ -357,6 +357,17 @@ ai)
   nq lego_s19 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.target_samples=524288
   nq lego_s17 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.target_samples=131072
   ;;
-*) echo "gpu_session: part must be one of a-z, aa-ai" >&2; exit 2 ;;
+aj)
+  # issue 17 (2026-12-06 session 2): instant-ngp's current NeRF encoding (configs/nerf/base.json: 6 levels of
+  # 8 features, T=2^19) and the CPU profile's 8 x 4, against the 16 x 2 of the paper; parts ag/ai's two
+  # best levers together; then the seed spread of the baseline and of EMA 0.99 (seed 1)
+  nq lego_l6f8 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.levels=6 --set nerf.features_per_level=8
+  nq lego_l8f4 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.levels=8 --set nerf.features_per_level=4
+  nq lego_ema99_res1024 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.ema_decay=0.99 \
+    --set nerf.max_resolution=1024
+  nq lego_base_seed1 110 --poses lego=$D/lego --budgets 15,30,60 --seed 1
+  nq lego_ema99_seed1 110 --poses lego=$D/lego --budgets 15,30,60 --seed 1 --set nerf.ema_decay=0.99
+  ;;
+*) echo "gpu_session: part must be one of a-z, aa-aj" >&2; exit 2 ;;
 esac
 echo "== done"
