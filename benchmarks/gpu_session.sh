@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. ak; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. al; default a; each about 10 min)
 # 2026-12-06: ad, ae, af ran (one warm H100), then fern at 30k alone (the README's issue-16 table).
 # Next: ag (the SH pair's GPU tests after `git revert 8ead2e1`, then issue 17's NeRF levers on lego);
 # ah (lego at 30k, seeds 1 and 2 on both sides).
@@ -373,6 +373,12 @@ ak)
   nq fox_ema99 200 --poses fox=$D/fox --budgets 30,60,120 --set nerf.ema_decay=0.99
   nq fern_ema99 200 --poses fern=$D/fern --budgets 30,60,120 --set nerf.ema_decay=0.99
   ;;
-*) echo "gpu_session: part must be one of a-z, aa-ak" >&2; exit 2 ;;
+al)
+  # issue 17: around EMA 0.99 on lego (decay 0.995 and 0.98), and a doubled learning rate with it
+  nq lego_ema995 100 --poses lego=$D/lego --budgets 15,30,60 --set nerf.ema_decay=0.995
+  nq lego_ema98 100 --poses lego=$D/lego --budgets 15,30,60 --set nerf.ema_decay=0.98
+  nq lego_ema99_lr2 100 --poses lego=$D/lego --budgets 15,30,60 --set nerf.ema_decay=0.99 --set nerf.lr=0.02
+  ;;
+*) echo "gpu_session: part must be one of a-z, aa-al" >&2; exit 2 ;;
 esac
 echo "== done"
