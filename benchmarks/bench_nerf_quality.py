@@ -61,9 +61,13 @@ BUDGETS = (15.0, 30.0, 60.0, 120.0)
 GPU_NERF = {
     "levels": 16, "features_per_level": 2, "log2_hashmap_size": 19, "max_resolution": 2048,
     "samples_per_ray": 1024, "occ_resolution": 128, "occ_warmup_steps": 256, "lr": 1e-2, "lr_schedule": "exp",
-    "ema_decay": 0.95, "table_optimizer": "sparse", "target_samples": 1 << 18, "mlp_precision": "tf32",
+    "ema_decay": 0.99, "table_optimizer": "sparse", "target_samples": 1 << 18, "mlp_precision": "tf32",
     "distortion_loss": 0.0,  # instant-ngp has none; params.yaml's CPU profile does (--set nerf.distortion_loss=...)
 }
+# The weight average's decay is 0.99, not instant-ngp's 0.95 (the last ~100 steps, not ~20): on lego it
+# gained 0.42 / 0.20 / 0.03 dB at 15 / 30 / 60 s (seed 0) and 0.25 / 0.23 / 0.10 (seed 1), on fern 0.30 /
+# 0.69 / 0.62 at 30 / 60 / 120 s, on fox 0.24 / 0.12 / 0.07 (on poses from another SfM run); decays 0.98
+# and 0.995 scored within 0.1 dB of 0.99 on lego (one H100, 2026-12-06, gpu_session.sh parts ai-al)
 GPU_RECONSTRUCT = {"batch_rays": 8192, "steps": 25_000}
 # real captures (no alpha, no known background): the world past the box contracted into a shell around it;
 # the box then takes the middle half of the hash grid per axis, so the finest level doubles, and the march
@@ -295,8 +299,9 @@ def run_scene(name: str, poses: Path, method: str, args, device: torch.device) -
 
 def targets(results: list[dict]) -> list[tuple[str, str]]:
     """(target, PASS | FAIL | n/a with the figures) for issue 17's targets."""
-    by = {(r["scene"], r["method"]): {row["budget"]: row["psnr"] for row in r["rows"]} for r in results
-          if "rows" in r and not r.get("variant")}  # a variant (--merge FILE=label) is judged by none
+    judged = [r for r in results if "rows" in r and not r.get("variant")]  # a variant (--merge FILE=label): none
+    by = {(r["scene"], r["method"]): {row["budget"]: row["psnr"] for row in r["rows"]} for r in judged}
+    md5 = {(r["scene"], r["method"]): r.get("poses_md5") for r in judged}
     out = []
 
     def verdict(ok: bool | None, text: str) -> str:
@@ -316,10 +321,12 @@ def targets(results: list[dict]) -> list[tuple[str, str]]:
         out.append((f"{scene}: no drop > 0.2 dB between budgets", verdict(worst <= 0.2, f"largest drop {worst:.2f} dB")))
     for scene in ("fox", "fern"):
         nerf, gs = by.get((scene, "nerf"), {}).get(120.0), by.get((scene, "3dgs"), {}).get(120.0)
-        ok = None if nerf is None or gs is None else nerf >= gs - 1.0
+        # merged runs of one scene may have trained on different poses outs (SfM again): not comparable
+        apart = nerf is not None and gs is not None and md5[(scene, "nerf")] != md5[(scene, "3dgs")]
+        ok = None if nerf is None or gs is None or apart else nerf >= gs - 1.0
         out.append((f"{scene} within 1 dB of 3DGS at 120 s",
                     verdict(ok, "no 3DGS run" if gs is None else "no NeRF run" if nerf is None
-                            else f"NeRF {nerf:.2f} dB, 3DGS {gs:.2f} dB")))
+                            else f"NeRF {nerf:.2f} dB, 3DGS {gs:.2f} dB" + (", on different poses" if apart else ""))))
     return out
 
 

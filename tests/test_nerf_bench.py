@@ -90,3 +90,20 @@ def test_merge_joins_runs_of_one_gpu_and_keeps_variants_out_of_the_targets(tmp_p
     assert "nerf (cull)" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="different GPUs"):
         bench.main(["--merge", str(files["fox"]), str(files["other"]), "--json", str(out)])
+
+
+def test_nerf_and_3dgs_on_different_poses_are_not_judged_against_each_other():
+    """The fox / fern target compares NeRF with 3DGS at 120 s only where both trained on the same poses
+    out (its md5): merged runs of another SfM are n/a, not a pass or a fail."""
+    bench = _bench()
+
+    def run(method, md5, psnr):
+        return {**_doc("H100", "fox", [psnr - 1, psnr - 0.5, psnr])["results"][0], "method": method, "poses_md5": md5}
+
+    same = dict(bench.targets([run("nerf", "a" * 32, 31.0), run("3dgs", "a" * 32, 31.5)]))
+    assert same["fox within 1 dB of 3DGS at 120 s"] == "PASS (NeRF 31.00 dB, 3DGS 31.50 dB)"
+    far = dict(bench.targets([run("nerf", "a" * 32, 29.0), run("3dgs", "a" * 32, 31.5)]))
+    assert far["fox within 1 dB of 3DGS at 120 s"].startswith("FAIL")
+    apart = dict(bench.targets([run("nerf", "a" * 32, 31.0), run("3dgs", "b" * 32, 31.5)]))
+    assert apart["fox within 1 dB of 3DGS at 120 s"] == "n/a (NeRF 31.00 dB, 3DGS 31.50 dB, on different poses)"
+
