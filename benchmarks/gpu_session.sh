@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. al; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. am; default a; each about 10 min)
 # 2026-12-06: ad, ae, af ran (one warm H100), then fern at 30k alone (the README's issue-16 table).
-# Next: ag (the SH pair's GPU tests after `git revert 8ead2e1`, then issue 17's NeRF levers on lego);
-# ah (lego at 30k, seeds 1 and 2 on both sides).
+# 2026-12-06 session 2: ag (the SH pair's GPU tests passed; NeRF levers), ai, aj, ak, al ran (one warm H100).
+# Next: am (nerf.supersample's GPU test and lego with it); ah (lego at 30k, seeds 1 and 2 on both sides).
 # Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
 # on fox; lego 3DGS at 30k beside gsplat); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
 # earlier parts are the commands the results JSONs cite.
@@ -379,6 +379,15 @@ al)
   nq lego_ema98 100 --poses lego=$D/lego --budgets 15,30,60 --set nerf.ema_decay=0.98
   nq lego_ema99_lr2 100 --poses lego=$D/lego --budgets 15,30,60 --set nerf.ema_decay=0.99 --set nerf.lr=0.02
   ;;
-*) echo "gpu_session: part must be one of a-z, aa-al" >&2; exit 2 ;;
+am)
+  # for the next session (issue 17): the supersampled pixel (nerf.supersample, 2026-12-06, never on a GPU yet):
+  # its GPU test on the CUDA-graph path, then lego with each pixel the mean of 2 x 2 rays (the box filter
+  # that made these 400 px images from the 800 px renders), at 2^18 and at 2^19 samples a step
+  step ss_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_nerf_training.py
+  nq lego_ss2 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.supersample=2
+  nq lego_ss2_s19 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.supersample=2 --set nerf.target_samples=524288
+  nq lego_ss2_base 110 --poses lego=$D/lego --budgets 15,30,60
+  ;;
+*) echo "gpu_session: part must be one of a-z, aa-am" >&2; exit 2 ;;
 esac
 echo "== done"
