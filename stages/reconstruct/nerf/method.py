@@ -184,9 +184,7 @@ class NerfMethod:
         colour loss (``nerf.loss``), plus ``distortion_loss`` x the rays' mean distortion. The info's
         ``mse`` is the squared error whatever the colour loss (PSNR is read from it). With
         ``supersample`` each pixel's k consecutive rays are averaged and compared with its colour."""
-        pred = out["rgb"]
-        if self.k > 1:
-            pred, rgb = pred.view(-1, self.k, 3).mean(1), rgb[:: self.k]
+        pred, rgb = self._pixels(out["rgb"], rgb)
         mse = torch.nn.functional.mse_loss(pred, rgb)
         loss = mse
         if self.cfg.loss == "huber":
@@ -214,6 +212,13 @@ class NerfMethod:
                             march_capacity=march_capacity)
         loss, info = self._training_loss(out, rgb)
         return loss, info, out
+
+    def _pixels(self, pred: torch.Tensor, rgb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rendered and target colours per pixel from per ray: with ``supersample`` a pixel's k
+        consecutive rays render its mean and carry its colour k times; else unchanged."""
+        if self.k == 1:
+            return pred, rgb
+        return pred.view(-1, self.k, 3).mean(1), rgb[:: self.k]
 
     def targets(self, rgb: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The colours [R, 3] a batch trains on and the background [R, 3] to render them on (None: the
@@ -289,9 +294,7 @@ class NerfMethod:
             return None
         o, d, rgb = RaySampler(views, generator, supersample=self.cfg.supersample).sample(n_rays)
         rgb = composite(rgb, self.background or (1.0, 1.0, 1.0))  # RGBA views: on the known colour, else white
-        pred = self.render_rays(o, d)
-        if self.k > 1:  # each pixel the mean of its rays
-            pred, rgb = pred.view(-1, self.k, 3).mean(1), rgb[:: self.k]
+        pred, rgb = self._pixels(self.render_rays(o, d), rgb)
         return -10.0 * math.log10(max(float(torch.mean((pred - rgb) ** 2)), 1e-10))
 
     @torch.no_grad()
