@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. am; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. an; default a; each about 10 min)
 # 2026-12-06: ad, ae, af ran (one warm H100), then fern at 30k alone (the README's issue-16 table).
 # 2026-12-06 session 2: ag (the SH pair's GPU tests passed; NeRF levers), ai, aj, ak, al ran (one warm H100).
-# Next: am (nerf.supersample's GPU test and lego with it); ah (lego at 30k, seeds 1 and 2 on both sides).
+# Next: am (nerf.supersample's GPU test and lego with it); an (fox, NeRF and 3DGS on today's poses);
+# ah (lego at 30k, seeds 1 and 2 on both sides).
 # Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
 # on fox; lego 3DGS at 30k beside gsplat); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
 # earlier parts are the commands the results JSONs cite.
@@ -388,6 +389,12 @@ am)
   nq lego_ss2_s19 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.supersample=2 --set nerf.target_samples=524288
   nq lego_ss2_base 110 --poses lego=$D/lego --budgets 15,30,60
   ;;
-*) echo "gpu_session: part must be one of a-z, aa-am" >&2; exit 2 ;;
+an)
+  # issue 17: fox with the EMA 0.99 profile and the 3DGS method beside it on today's poses (a25f0981), so the
+  # fox target of nerf_quality_H100.json judges the profile as committed (its fox pair is 2026-12-05's, on
+  # poses 812f900b); about 5 min
+  nq fox_pair 330 --poses fox=$D/fox --budgets 30,60,120 --method 3dgs
+  ;;
+*) echo "gpu_session: part must be one of a-z, aa-an" >&2; exit 2 ;;
 esac
 echo "== done"
