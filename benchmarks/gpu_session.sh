@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. an; default a; each about 10 min)
 # 2026-12-06: ad, ae, af ran (one warm H100), then fern at 30k alone (the README's issue-16 table).
 # 2026-12-06 session 2: ag (the SH pair's GPU tests passed; NeRF levers), ai, aj, ak, al ran (one warm H100).
-# Next: am (nerf.supersample's GPU test and lego with it); an (fox, NeRF and 3DGS on today's poses);
+# Next: am (after `git revert 0e36003`: nerf.supersample's GPU test and lego with it); an (fox, NeRF and 3DGS on today's poses);
 # ah (lego at 30k, seeds 1 and 2 on both sides).
 # Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
 # on fox; lego 3DGS at 30k beside gsplat); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
@@ -381,7 +381,8 @@ al)
   nq lego_ema99_lr2 100 --poses lego=$D/lego --budgets 15,30,60 --set nerf.ema_decay=0.99 --set nerf.lr=0.02
   ;;
 am)
-  # for the next session (issue 17): the supersampled pixel (nerf.supersample, 2026-12-06, never on a GPU yet):
+  # for the next session (issue 17): the supersampled pixel (nerf.supersample, 2026-12-06, never on a GPU yet;
+  # reverted until then: re-apply it first with `git revert 0e36003`):
   # its GPU test on the CUDA-graph path, then lego with each pixel the mean of 2 x 2 rays (the box filter
   # that made these 400 px images from the 800 px renders), at 2^18 and at 2^19 samples a step
   step ss_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_nerf_training.py
