@@ -395,6 +395,10 @@ an)
   # fox target of nerf_quality_H100.json judges the profile as committed (its fox pair is 2026-12-05's, on
   # poses 812f900b); about 5 min
   nq fox_pair 330 --poses fox=$D/fox --budgets 30,60,120 --method 3dgs
+  # where a lego step's GPU time goes now (sparse table Adam, EMA, 2^18 samples, CUDA graph): 40 steps
+  # from step 1500 under torch.profiler (train.py StepProfiler), the tables in prof_lego/rank0.txt
+  step prof_lego 60 env RAYFORGE_PROFILE="$OUT/prof_lego" RAYFORGE_PROFILE_STEPS=1500:1540 \
+    python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15 --json "$OUT/prof_lego.json"
   ;;
 *) echo "gpu_session: part must be one of a-z, aa-an" >&2; exit 2 ;;
 esac
