@@ -446,6 +446,27 @@ def test_gpu_graph_step_skips_a_nan_step_without_a_sync(table_optimizer):
     assert all(bool(torch.isfinite(p).all()) for p in m.parameters())
 
 
+def _train_graphed(scene, steps: int, **nerf_overrides):
+    """``steps`` steps of the CUDA-graph training path with a 2^14-sample ray budget revised every 8
+    steps, as the training loop runs them; returns (method, sampler, mse per step, rays per step)."""
+    torch.manual_seed(0)
+    nerf = NerfParams(**{**TINY, "samples_per_ray": 64, "fused_render": "on", "cuda_graph": "on",
+                         "target_samples": 1 << 14, "occ_update_every": 8, **nerf_overrides})
+    m = NerfMethod(ReconstructParams(nerf=nerf, steps=200, batch_rays=1024, kernels="on"), AABB.cuda(),
+                   torch.device("cuda"), None, scene)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sampler = m.make_sampler(m.place(scene.train), gen)
+    losses, rays = [], []
+    for step in range(steps):
+        m.step_pre_forward(step, torch.Generator(device="cuda").manual_seed(step))
+        batch = sampler.sample(m.batch_size())
+        rays.append(batch[0].shape[0])
+        info = m.forward_backward(batch, gen)
+        losses.append(float(info["mse"]))
+        m.optimizer_step(step, torch.zeros((), device="cuda"))  # the loop's 0-d skip flag: no step skipped
+    return m, sampler, losses, rays
+
+
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
@@ -453,22 +474,7 @@ def test_gpu_graph_follows_the_ray_budget_and_mixed_precision(precision):
     """target_samples on the CUDA-graph path: each revision that moves the ray count captures the step
     again (at most one capture per revision plus the budget's own regrowth), the samples per step end
     near the target, and the bfloat16 MLP trains under capture as the float32 one does."""
-    torch.manual_seed(0)
-    scene = _scene()
-    nerf = NerfParams(**{**TINY, "samples_per_ray": 64}, fused_render="on", cuda_graph="on",
-                      target_samples=1 << 14, occ_update_every=8, mlp_precision=precision)
-    m = NerfMethod(ReconstructParams(nerf=nerf, steps=200, batch_rays=1024, kernels="on"), AABB.cuda(),
-                   torch.device("cuda"), None, scene)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    sampler = m.make_sampler(m.place(scene.train), gen)
-    losses, rays = [], []
-    for step in range(120):
-        m.step_pre_forward(step, torch.Generator(device="cuda").manual_seed(step))
-        batch = sampler.sample(m.batch_size())
-        rays.append(batch[0].shape[0])
-        info = m.forward_backward(batch, gen)
-        losses.append(float(info["mse"]))
-        m.optimizer_step(step, torch.zeros((), device="cuda"))  # the loop's 0-d skip flag: no step skipped
+    m, _, losses, rays = _train_graphed(_scene(), 120, mlp_precision=precision)
     b = m.summary()["ray_budget"]
     assert len(set(rays)) > 1 and b["revisions"] >= 1
     assert m.graphed.captures <= 2 * (b["revisions"] + 1) + 2, (m.graphed.captures, b)
@@ -482,22 +488,7 @@ def test_gpu_graph_follows_the_ray_budget_and_mixed_precision(precision):
 def test_gpu_graph_step_trains_supersampled_pixels():
     """nerf.supersample on the CUDA-graph path: the ray budget's counts stay whole pixels (multiples of
     N^2 rays), the captured step averages each pixel's rays as the eager one does, and it trains."""
-    torch.manual_seed(0)
-    scene = _scene(alpha=True)
-    nerf = NerfParams(**{**TINY, "samples_per_ray": 64}, fused_render="on", cuda_graph="on", supersample=2,
-                      target_samples=1 << 14, occ_update_every=8, lr=3e-2)
-    m = NerfMethod(ReconstructParams(nerf=nerf, steps=200, batch_rays=1024, kernels="on"), AABB.cuda(),
-                   torch.device("cuda"), None, scene)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    sampler = m.make_sampler(m.place(scene.train), gen)
-    losses, rays = [], []
-    for step in range(80):
-        m.step_pre_forward(step, torch.Generator(device="cuda").manual_seed(step))
-        batch = sampler.sample(m.batch_size())
-        rays.append(batch[0].shape[0])
-        info = m.forward_backward(batch, gen)
-        losses.append(float(info["mse"]))
-        m.optimizer_step(step, torch.zeros((), device="cuda"))
+    m, sampler, losses, rays = _train_graphed(_scene(alpha=True), 80, supersample=2, lr=3e-2)
     assert all(r % 4 == 0 for r in rays) and m.graphed.captures >= 1
     assert all(math.isfinite(x) for x in losses) and sum(losses[-10:]) < 0.5 * sum(losses[:10])
     # one more batch: the replayed step's mse is the eager packed step's on the same rays and draws
