@@ -249,9 +249,8 @@ class NerfMethod:
             got = self.graphed(o, d, rgb, jitter, bg, image)
             if got is not None:
                 loss, mse, num, dist = got
-                if dist is None:
-                    return {"loss": loss, "mse": mse, "num_samples": num}
-                return {"loss": loss, "mse": mse, "distortion": dist, "num_samples": num}
+                extra = {} if dist is None else {"distortion": dist}
+                return {"loss": loss, "mse": mse, **extra, "num_samples": num}
             # no sample count yet to size the graph's budget: this step runs eagerly and gives one
             loss, info, out = self.packed_loss(o, d, rgb, jitter, background=bg, image=image)
             self.graphed.observe(int(out["num_samples"]))
