@@ -385,7 +385,7 @@ am)
   # reverted until then: re-apply it first with `git revert 0e36003`):
   # its GPU test on the CUDA-graph path, then lego with each pixel the mean of 2 x 2 rays (the box filter
   # that made these 400 px images from the 800 px renders), at 2^18 and at 2^19 samples a step
-  step ss_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_nerf_training.py tests/test_cuda_graph.py
+  step ss_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_nerf_training.py tests/test_cuda_graph.py tests/test_nerf_distortion.py
   nq lego_ss2 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.supersample=2
   nq lego_ss2_s19 110 --poses lego=$D/lego --budgets 15,30,60 --set nerf.supersample=2 --set nerf.target_samples=524288
   nq lego_ss2_base 110 --poses lego=$D/lego --budgets 15,30,60
