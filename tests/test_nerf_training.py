@@ -163,79 +163,6 @@ def test_bad_loss_settings_are_refused():
         NerfParams(huber_delta=0.0)
 
 
-# ---------------------------------------------------------------- supersampled pixels (nerf.supersample)
-
-
-def test_supersampled_batches_send_n_squared_rays_through_each_pixels_subpixel_centres():
-    """supersample N: a batch of n rays holds n // N^2 pixels, each as N^2 consecutive rays from its
-    camera through the centres of its N x N sub-pixels, all carrying the pixel's colour and image."""
-    views = _views(4, size=12)
-    o, d, rgb, img = RaySampler(views, torch.Generator().manual_seed(0), supersample=2).sample_indexed(50)
-    assert o.shape == d.shape == (48, 3) and rgb.shape == (48, 3) and img.shape == (48,)  # 12 pixels x 4 rays
-    g = lambda t: t.view(12, 4, *t.shape[1:])  # noqa: E731 -- [pixel, sub-ray, ...]
-    assert (g(rgb) == g(rgb)[:, :1]).all() and (g(img) == g(img)[:, :1]).all() and (g(o) == g(o)[:, :1]).all()
-    # back into each ray's camera: where it crosses the image plane, in pixels
-    c2w, cam = views.c2w[img], views.cameras
-    local = (c2w[:, :3, :3].transpose(1, 2) @ d[:, :, None])[:, :, 0]
-    u = cam.fx[img] * local[:, 0] / local[:, 2] + cam.cx[img]
-    v = cam.fy[img] * local[:, 1] / local[:, 2] + cam.cy[img]
-    frac = torch.stack([u - u.floor(), v - v.floor()], -1)
-    want = torch.tensor([[0.25, 0.25], [0.75, 0.25], [0.25, 0.75], [0.75, 0.75]]).repeat(12, 1)
-    torch.testing.assert_close(frac, want, atol=1e-4, rtol=0)
-    assert (g(u.floor()) == g(u.floor())[:, :1]).all() and (g(v.floor()) == g(v.floor())[:, :1]).all()  # one pixel
-    # fewer rays than a pixel's: still one pixel; N = 1 draws exactly as before
-    assert RaySampler(views, torch.Generator().manual_seed(0), supersample=3).sample(5)[0].shape == (9, 3)
-    a = RaySampler(views, torch.Generator().manual_seed(0)).sample(16)
-    b = RaySampler(views, torch.Generator().manual_seed(0), supersample=1).sample(16)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-def test_supersampled_training_compares_each_pixels_mean_with_its_colour():
-    """The loss averages a pixel's N^2 rays before comparing with its colour, and RGBA pixels put one
-    random background behind all their rays."""
-    scene = _scene(alpha=True)
-    m = _method(scene, supersample=2, lr=3e-2)
-    rgba = torch.rand(16, 4).repeat_interleave(4, 0)  # 16 pixels x 4 rays
-    target, bg = m.targets(rgba, torch.Generator().manual_seed(0))
-    assert (bg.view(16, 4, 3) == bg.view(16, 4, 3)[:, :1]).all() and len({tuple(b) for b in bg.tolist()}) == 16
-    pred = torch.rand(64, 3)
-    loss, info = m._training_loss({"rgb": pred, "num_samples": 1}, target)
-    want = ((pred.view(16, 4, 3).mean(1) - target[::4]) ** 2).mean()
-    torch.testing.assert_close(loss, want)
-    assert float(((pred - target) ** 2).mean()) > float(want)  # not the per-ray error
-    # a few steps train it, and the held-out PSNR of the loop reads pixels the same way
-    losses = _train(m, scene, 40)
-    assert sum(losses[-5:]) < 0.3 * sum(losses[:5]), losses
-    assert math.isfinite(m.quick_test_psnr(scene.test, torch.Generator().manual_seed(0), n_rays=64))
-
-
-def test_supersampled_renders_are_the_mean_of_the_subpixel_renders():
-    """Every render of a supersampled model (evaluation, paths, export) is the mean over its N x N
-    sub-pixel renders, for the colour, the depth and the opacity; N = 1 renders pixel centres."""
-    from stages.reconstruct.data import image_rays, subpixel_offsets
-
-    scene = _scene()
-    m = _method(scene, supersample=2)
-    _train(m, scene, 20)
-    intr, c2w = scene.test.intr(0), scene.test.c2w[0]
-    got = m.render_outputs(intr, c2w)
-    subs = [m.render_ray_outputs(*image_rays(intr, c2w, offset=off)) for off in subpixel_offsets(2)]
-    centre = m.render_ray_outputs(*image_rays(intr, c2w))
-    for key in ("rgb", "depth", "alpha"):
-        mean = torch.stack([s[key] for s in subs]).mean(0).view(got[key].shape)
-        torch.testing.assert_close(got[key], mean)
-    assert not torch.allclose(got["rgb"], centre["rgb"].view(got["rgb"].shape), atol=1e-4)
-    m.cfg.supersample = 1
-    torch.testing.assert_close(m.render_outputs(intr, c2w)["rgb"], centre["rgb"].view(got["rgb"].shape))
-    assert subpixel_offsets(1) == [(0.0, 0.0)] and len(subpixel_offsets(3)) == 9
-
-
-@pytest.mark.parametrize("bad", [0, 5, True, 1.5])
-def test_bad_supersample_is_refused(bad):
-    with pytest.raises(ValueError, match="supersample"):
-        NerfParams(supersample=bad)
-
-
 # ---------------------------------------------------------------- the optimiser pieces
 
 
@@ -446,27 +373,6 @@ def test_gpu_graph_step_skips_a_nan_step_without_a_sync(table_optimizer):
     assert all(bool(torch.isfinite(p).all()) for p in m.parameters())
 
 
-def _train_graphed(scene, steps: int, **nerf_overrides):
-    """``steps`` steps of the CUDA-graph training path with a 2^14-sample ray budget revised every 8
-    steps, as the training loop runs them; returns (method, sampler, mse per step, rays per step)."""
-    torch.manual_seed(0)
-    nerf = NerfParams(**{**TINY, "samples_per_ray": 64, "fused_render": "on", "cuda_graph": "on",
-                         "target_samples": 1 << 14, "occ_update_every": 8, **nerf_overrides})
-    m = NerfMethod(ReconstructParams(nerf=nerf, steps=200, batch_rays=1024, kernels="on"), AABB.cuda(),
-                   torch.device("cuda"), None, scene)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    sampler = m.make_sampler(m.place(scene.train), gen)
-    losses, rays = [], []
-    for step in range(steps):
-        m.step_pre_forward(step, torch.Generator(device="cuda").manual_seed(step))
-        batch = sampler.sample(m.batch_size())
-        rays.append(batch[0].shape[0])
-        info = m.forward_backward(batch, gen)
-        losses.append(float(info["mse"]))
-        m.optimizer_step(step, torch.zeros((), device="cuda"))  # the loop's 0-d skip flag: no step skipped
-    return m, sampler, losses, rays
-
-
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
@@ -474,32 +380,28 @@ def test_gpu_graph_follows_the_ray_budget_and_mixed_precision(precision):
     """target_samples on the CUDA-graph path: each revision that moves the ray count captures the step
     again (at most one capture per revision plus the budget's own regrowth), the samples per step end
     near the target, and the bfloat16 MLP trains under capture as the float32 one does."""
-    m, _, losses, rays = _train_graphed(_scene(), 120, mlp_precision=precision)
+    torch.manual_seed(0)
+    scene = _scene()
+    nerf = NerfParams(**{**TINY, "samples_per_ray": 64}, fused_render="on", cuda_graph="on",
+                      target_samples=1 << 14, occ_update_every=8, mlp_precision=precision)
+    m = NerfMethod(ReconstructParams(nerf=nerf, steps=200, batch_rays=1024, kernels="on"), AABB.cuda(),
+                   torch.device("cuda"), None, scene)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sampler = m.make_sampler(m.place(scene.train), gen)
+    losses, rays = [], []
+    for step in range(120):
+        m.step_pre_forward(step, torch.Generator(device="cuda").manual_seed(step))
+        batch = sampler.sample(m.batch_size())
+        rays.append(batch[0].shape[0])
+        info = m.forward_backward(batch, gen)
+        losses.append(float(info["mse"]))
+        m.optimizer_step(step, torch.zeros((), device="cuda"))  # the loop's 0-d skip flag: no step skipped
     b = m.summary()["ray_budget"]
     assert len(set(rays)) > 1 and b["revisions"] >= 1
     assert m.graphed.captures <= 2 * (b["revisions"] + 1) + 2, (m.graphed.captures, b)
     per_ray = m.graphed.flush() / m.graphed.rays
     assert abs(math.log2(rays[-1] * per_ray / (1 << 14))) < 0.5, (rays[-1], per_ray)
     assert all(math.isfinite(x) for x in losses) and sum(losses[-10:]) < sum(losses[:10])
-
-
-@pytest.mark.gpu
-@requires_gpu
-def test_gpu_graph_step_trains_supersampled_pixels():
-    """nerf.supersample on the CUDA-graph path: the ray budget's counts stay whole pixels (multiples of
-    N^2 rays), the captured step averages each pixel's rays as the eager one does, and it trains."""
-    m, sampler, losses, rays = _train_graphed(_scene(alpha=True), 80, supersample=2, lr=3e-2)
-    assert all(r % 4 == 0 for r in rays) and m.graphed.captures >= 1
-    assert all(math.isfinite(x) for x in losses) and sum(losses[-10:]) < 0.5 * sum(losses[:10])
-    # one more batch: the replayed step's mse is the eager packed step's on the same rays and draws
-    m.step_pre_forward(80, torch.Generator(device="cuda").manual_seed(80))
-    o, d, rgba = sampler.sample(m.batch_size())
-    target, bg = m.targets(rgba, torch.Generator(device="cuda").manual_seed(1))
-    jitter = torch.rand(o.shape[0], device="cuda")
-    got = m.graphed(o, d, target, jitter, bg, None)
-    if got is not None:  # (None: this ray count needs its first eager step; the loop then runs one)
-        eager = m.packed_loss(o, d, target, jitter, background=bg)[1]["mse"]
-        torch.testing.assert_close(got[1], eager, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.gpu

@@ -102,13 +102,6 @@ class NerfParams:
     # snap_to_pixel_centers off), instead of through its centre: the field then fits each pixel's
     # footprint rather than one point of it. Evaluation renders pixel centres either way.
     pixel_jitter: bool = False
-    # Each pixel is rendered as the mean of N x N rays through the centres of an N x N grid of its
-    # sub-pixels, in training (the loss compares the mean with the pixel) and in every render: the
-    # model of an image that is a box-filtered average of its pixel (nerf_synthetic at half size is
-    # the 800 px render averaged over 2 x 2 blocks). batch_rays and target_samples count rays, so a
-    # step holds N^2 times fewer pixels, and a render costs N^2 times more. 1 = one ray through the
-    # centre.
-    supersample: int = 1
     # Training drops each ray's samples behind an opaque surface (transmittance below 1e-4 by a
     # density-only pass over the marched samples) before the field's differentiable pass, as
     # instant-ngp trains on its "compacted" samples and nerfacc culls with a sigma_fn; target_samples
@@ -145,9 +138,6 @@ class NerfParams:
         check(self.distortion_loss >= 0, "distortion_loss", "must be >= 0 (0 = off)", self.distortion_loss)
         check(self.loss in ("mse", "huber"), "loss", "must be 'mse' or 'huber'", self.loss)
         check(self.huber_delta > 0, "huber_delta", "must be > 0", self.huber_delta)
-        check(not isinstance(self.supersample, bool) and isinstance(self.supersample, int)
-              and 1 <= self.supersample <= 4, "supersample", "must be an int in 1..4 (N x N rays a pixel)",
-              self.supersample)
         check(0 <= self.appearance_dim <= 256, "appearance_dim", "must be in 0..256", self.appearance_dim)
         for key in ("fused_render", "cuda_graph", "random_background", "alpha_box"):
             switch(self, key)

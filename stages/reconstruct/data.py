@@ -324,25 +324,12 @@ def pixel_rays(
     return o, d
 
 
-def image_rays(intr: Intrinsics, c2w: torch.Tensor, device: torch.device | str = "cpu",
-               offset: tuple[float, float] = (0.0, 0.0)) -> tuple[torch.Tensor, torch.Tensor]:
-    """All rays of one image, row-major: origins and directions [H*W, 3]; ``offset`` (du, dv) moves
-    every ray from its pixel's centre by that fraction of a pixel (:func:`subpixel_offsets`)."""
+def image_rays(intr: Intrinsics, c2w: torch.Tensor, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """All rays of one image, row-major: origins and directions [H*W, 3]."""
     v, u = torch.meshgrid(
         torch.arange(intr.height, device=device), torch.arange(intr.width, device=device), indexing="ij"
     )
-    u, v = u.reshape(-1), v.reshape(-1)
-    if offset != (0.0, 0.0):
-        u, v = u.float() + offset[0], v.float() + offset[1]
-    return pixel_rays(intr, c2w.to(device), u, v)
-
-
-def subpixel_offsets(n: int) -> list[tuple[float, float]]:
-    """The centres of an n x n grid of sub-pixels as (du, dv) from the pixel's centre, row-major:
-    n = 1 gives [(0, 0)]; n = 2 gives (+-0.25, +-0.25), the centres of the four pixels a 2 x 2 box
-    filter averaged into this one."""
-    c = [(i + 0.5) / n - 0.5 for i in range(n)]
-    return [(du, dv) for dv in c for du in c]
+    return pixel_rays(intr, c2w.to(device), u.reshape(-1), v.reshape(-1))
 
 
 class RaySampler:
@@ -357,17 +344,12 @@ class RaySampler:
             every rank draws its own rays and a rerun draws the same ones.
         jitter: rays through a uniform random point of their pixel (with the pixel's colour, as
             instant-ngp trains) instead of its centre; the draws for it follow the pixel draws.
-        supersample: N > 1: each pixel drawn gives N x N consecutive rays, through the centres of its
-            sub-pixels (:func:`subpixel_offsets`; with ``jitter``, through a random point of each
-            sub-pixel), all with the pixel's colour and image; a batch of ``n`` rays then holds
-            ``n // N^2`` pixels (at least one).
     """
 
-    def __init__(self, views: PosedImages, generator: torch.Generator, jitter: bool = False, supersample: int = 1):
+    def __init__(self, views: PosedImages, generator: torch.Generator, jitter: bool = False):
         self.views = views
         self.gen = generator
         self.jitter = jitter
-        self.supersample = supersample
         self.device = views.pixels.device
         self.total = int(views.pixels.shape[0])
         self.ends = views.offsets[1:].contiguous()
@@ -379,23 +361,14 @@ class RaySampler:
     def sample_indexed(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`sample` (the same draws) and each ray's image index [n] int64."""
         v = self.views
-        k = self.supersample**2
-        if k > 1:
-            n = max(1, n // k)  # pixels; each becomes k rays below
         idx = torch.randint(0, self.total, (n,), generator=self.gen, device=self.gen.device).to(self.device)
         img = torch.searchsorted(self.ends, idx, right=True)
         pix = idx - v.offsets[img]
         W = v.cameras.width[img]
         row, col = pix // W, pix % W
         cams = v.cameras
-        if k > 1:  # k consecutive rays a pixel, one through each sub-pixel centre
-            sub = torch.tensor(subpixel_offsets(self.supersample), device=self.device)  # [k, 2]
-            col = (col.float()[:, None] + sub[:, 0]).reshape(-1)
-            row = (row.float()[:, None] + sub[:, 1]).reshape(-1)
-            idx, img = idx.repeat_interleave(k), img.repeat_interleave(k)
-            n = n * k
-        if self.jitter:  # pixel_rays adds 0.5 (the centre): offsets in [-0.5, 0.5) span the pixel (sub-pixel)
-            du = (torch.rand(2, n, generator=self.gen, device=self.gen.device).to(self.device) - 0.5) / self.supersample
+        if self.jitter:  # pixel_rays adds 0.5 (the centre): offsets in [-0.5, 0.5) span the pixel
+            du = torch.rand(2, n, generator=self.gen, device=self.gen.device).to(self.device) - 0.5
             col, row = col.float() + du[0], row.float() + du[1]
         o, d = pixel_rays((cams.fx[img], cams.fy[img], cams.cx[img], cams.cy[img]), v.c2w[img], col, row)
         rgb = v.pixels[idx].float() / 255.0

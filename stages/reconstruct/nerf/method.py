@@ -14,7 +14,7 @@ import torch
 from stages.common.cameras import Intrinsics
 
 from ..config import NerfParams, ReconstructParams
-from ..data import RaySampler, composite, image_rays, subpixel_offsets
+from ..data import RaySampler, composite, image_rays
 from ..methods import resolve_use_kernels, step_optimizers
 from .budget import RayBudget
 from .field import NerfField
@@ -68,7 +68,6 @@ class NerfMethod:
         # views with alpha train on a random colour per ray behind them (instant-ngp): a fixed one lets
         # the field paint that colour into the box as floaters that cost nothing in the training views
         self.random_bg = alpha and cfg.random_background != "off"
-        self.k = cfg.supersample**2  # rays a pixel (nerf.supersample: consecutive in a batch)
         self.grid = OccupancyGrid(aabb, cfg.occ_resolution, cfg.occ_threshold, contract=self.field.contract).to(device)
         self.step_diag = step_diag
         self._set_step()
@@ -142,7 +141,7 @@ class NerfMethod:
         return views.to(self.device)
 
     def make_sampler(self, views, generator: torch.Generator):
-        sampler = RaySampler(views, generator, jitter=self.cfg.pixel_jitter, supersample=self.cfg.supersample)
+        sampler = RaySampler(views, generator, jitter=self.cfg.pixel_jitter)
         if self.field.appearance is not None:  # batches carry each ray's image (its appearance code)
             sampler.sample = sampler.sample_indexed
         return sampler if self.budget is None else _BudgetedSampler(sampler, self.budget)
@@ -182,13 +181,11 @@ class NerfMethod:
     def _training_loss(self, out: dict, rgb: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """(the training loss, its info) of a render ``out`` against the target colours ``rgb``: the
         colour loss (``nerf.loss``), plus ``distortion_loss`` x the rays' mean distortion. The info's
-        ``mse`` is the squared error whatever the colour loss (PSNR is read from it). With
-        ``supersample`` each pixel's k consecutive rays are averaged and compared with its colour."""
-        pred, rgb = self._pixels(out["rgb"], rgb)
-        mse = torch.nn.functional.mse_loss(pred, rgb)
+        ``mse`` is the squared error whatever the colour loss (PSNR is read from it)."""
+        mse = torch.nn.functional.mse_loss(out["rgb"], rgb)
         loss = mse
         if self.cfg.loss == "huber":
-            loss = torch.nn.functional.huber_loss(pred, rgb, delta=self.cfg.huber_delta)
+            loss = torch.nn.functional.huber_loss(out["rgb"], rgb, delta=self.cfg.huber_delta)
         info = {"mse": mse.detach(), "num_samples": out["num_samples"]}
         if "distortion" in out:
             dist = out["distortion"].mean()
@@ -213,25 +210,15 @@ class NerfMethod:
         loss, info = self._training_loss(out, rgb)
         return loss, info, out
 
-    def _pixels(self, pred: torch.Tensor, rgb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rendered and target colours per pixel from per ray: with ``supersample`` a pixel's k
-        consecutive rays render its mean and carry its colour k times; else unchanged."""
-        if self.k == 1:
-            return pred, rgb
-        return pred.view(-1, self.k, 3).mean(1), rgb[:: self.k]
-
     def targets(self, rgb: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The colours [R, 3] a batch trains on and the background [R, 3] to render them on (None: the
         field's). RGBA [R, 4] (straight alpha) is composited on a random colour per ray (drawn from
-        ``generator``; with ``supersample``, one per pixel, shared by its rays) with
-        ``random_background``, else on the field's fixed colour."""
+        ``generator``) with ``random_background``, else on the field's fixed colour."""
         if rgb.shape[-1] != 4:
             return rgb, None
         if not self.random_bg:
             return composite(rgb, self.field.fixed_background), None
-        bg = torch.rand((rgb.shape[0] // self.k, 3), generator=generator, device=generator.device).to(rgb.device)
-        if self.k > 1:
-            bg = bg.repeat_interleave(self.k, 0)
+        bg = torch.rand((rgb.shape[0], 3), generator=generator, device=generator.device).to(rgb.device)
         return composite(rgb, bg), bg
 
     def forward_backward(self, batch, generator: torch.Generator, before_backward=None) -> dict:
@@ -249,8 +236,9 @@ class NerfMethod:
             got = self.graphed(o, d, rgb, jitter, bg, image)
             if got is not None:
                 loss, mse, num, dist = got
-                extra = {} if dist is None else {"distortion": dist}
-                return {"loss": loss, "mse": mse, **extra, "num_samples": num}
+                if dist is None:
+                    return {"loss": loss, "mse": mse, "num_samples": num}
+                return {"loss": loss, "mse": mse, "distortion": dist, "num_samples": num}
             # no sample count yet to size the graph's budget: this step runs eagerly and gives one
             loss, info, out = self.packed_loss(o, d, rgb, jitter, background=bg, image=image)
             self.graphed.observe(int(out["num_samples"]))
@@ -291,9 +279,9 @@ class NerfMethod:
         """PSNR on random rays of the test views (a cheap point on the training curve)."""
         if len(views) == 0:
             return None
-        o, d, rgb = RaySampler(views, generator, supersample=self.cfg.supersample).sample(n_rays)
+        o, d, rgb = RaySampler(views, generator).sample(n_rays)
         rgb = composite(rgb, self.background or (1.0, 1.0, 1.0))  # RGBA views: on the known colour, else white
-        pred, rgb = self._pixels(self.render_rays(o, d), rgb)
+        pred = self.render_rays(o, d)
         return -10.0 * math.log10(max(float(torch.mean((pred - rgb) ** 2)), 1e-10))
 
     @torch.no_grad()
@@ -351,16 +339,10 @@ class NerfMethod:
     @torch.no_grad()
     def render_outputs(self, intr: Intrinsics, c2w: torch.Tensor, chunk: int = 8192) -> dict[str, torch.Tensor]:
         """Render one view: ``rgb`` [H, W, 3] float32 in [0, 1], ``depth`` [H, W] and ``alpha`` [H, W]
-        (see :meth:`render_ray_outputs`) on the method's device. With ``supersample`` N, each is the
-        mean over N x N renders through the sub-pixel centres (the depth and opacity too)."""
+        (see :meth:`render_ray_outputs`) on the method's device."""
+        o, d = image_rays(intr, c2w.float(), self.device)
         shape = (intr.height, intr.width)
-        offsets = subpixel_offsets(self.cfg.supersample)
-        total: dict[str, torch.Tensor] = {}
-        for offset in offsets:
-            o, d = image_rays(intr, c2w.float(), self.device, offset=offset)
-            for k, v in self.render_ray_outputs(o, d, chunk).items():
-                total[k] = v if k not in total else total[k] + v
-        return {k: (v / len(offsets)).view(*shape, *v.shape[1:]) for k, v in total.items()}
+        return {k: v.view(*shape, *v.shape[1:]) for k, v in self.render_ray_outputs(o, d, chunk).items()}
 
     def render_image(self, intr: Intrinsics, c2w: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
         """Render one view: [H, W, 3] float32 in [0, 1] on the method's device."""
