@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. an; default a; each about 10 min)
 # 2026-12-06: ad, ae, af ran (one warm H100), then fern at 30k alone (the README's issue-16 table).
 # 2026-12-06 session 2: ag (the SH pair's GPU tests passed; NeRF levers), ai, aj, ak, al ran (one warm H100).
-# Next: am (after `git revert 0e36003`: nerf.supersample's GPU test and lego with it); an (fox, NeRF and 3DGS on today's poses);
+# 2026-12-06 session 3: am (supersample: GPU tests passed, lost on lego, reverted again) and an ran (one warm H100).
+# Next: ah;
 # ah (lego at 30k, seeds 1 and 2 on both sides).
 # Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
 # on fox; lego 3DGS at 30k beside gsplat); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
