@@ -4,8 +4,7 @@
 # 2026-12-06: ad, ae, af ran (one warm H100), then fern at 30k alone (the README's issue-16 table).
 # 2026-12-06 session 2: ag (the SH pair's GPU tests passed; NeRF levers), ai, aj, ak, al ran (one warm H100).
 # 2026-12-06 session 3: am (supersample: GPU tests passed, lost on lego, reverted again) and an ran (one warm H100).
-# Next: ah;
-# ah (lego at 30k, seeds 1 and 2 on both sides).
+# Next: ah (lego at 30k, seeds 1 and 2 on both sides).
 # Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
 # on fox; lego 3DGS at 30k beside gsplat); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
 # earlier parts are the commands the results JSONs cite.
@@ -382,8 +381,8 @@ al)
   nq lego_ema99_lr2 100 --poses lego=$D/lego --budgets 15,30,60 --set nerf.ema_decay=0.99 --set nerf.lr=0.02
   ;;
 am)
-  # for the next session (issue 17): the supersampled pixel (nerf.supersample, 2026-12-06, never on a GPU yet;
-  # reverted until then: re-apply it first with `git revert 0e36003`):
+  # issue 17: the supersampled pixel (nerf.supersample; ran 2026-12-06 session 3: tests passed, it lost on lego,
+  # and it is reverted again: re-apply it first with `git revert d6dbb7b`):
   # its GPU test on the CUDA-graph path, then lego with each pixel the mean of 2 x 2 rays (the box filter
   # that made these 400 px images from the 800 px renders), at 2^18 and at 2^19 samples a step
   step ss_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_nerf_training.py tests/test_cuda_graph.py tests/test_nerf_distortion.py
