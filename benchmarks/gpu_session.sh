@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. an; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. ao; default a; each about 10 min)
 # 2026-12-06: ad, ae, af ran (one warm H100), then fern at 30k alone (the README's issue-16 table).
 # 2026-12-06 session 2: ag (the SH pair's GPU tests passed; NeRF levers), ai, aj, ak, al ran (one warm H100).
 # 2026-12-06 session 3: am (supersample: GPU tests passed, lost on lego, reverted again) and an ran (one warm H100).
@@ -400,6 +400,15 @@ an)
   step prof_lego 60 env RAYFORGE_PROFILE="$OUT/prof_lego" RAYFORGE_PROFILE_STEPS=1500:1540 \
     python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 15 --json "$OUT/prof_lego.json"
   ;;
-*) echo "gpu_session: part must be one of a-z, aa-an" >&2; exit 2 ;;
+ao)
+  # issue 17: does lego's gap (train views 37.5 dB, test 34.0) come from levels finer than a pixel's footprint
+  # (about 1/280 of the box at lego's distance), from the occupancy grid pruning thin parts, or from the
+  # rate? One run each at 15 / 30 / 60 s, the profile otherwise; about 9 min
+  for kv in nerf.max_resolution=512 nerf.max_resolution=256 nerf.occ_threshold=0.002 nerf.lr=0.005 \
+      nerf.occ_resolution=256 nerf.log2_hashmap_size=17; do
+    nq "lego_${kv//[.=]/_}" 95 --poses lego=$D/lego --budgets 15,30,60 --set "$kv"
+  done
+  ;;
+*) echo "gpu_session: part must be one of a-z, aa-ao" >&2; exit 2 ;;
 esac
 echo "== done"

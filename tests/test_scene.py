@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from PIL import Image
 
 from stages import scene
@@ -106,6 +107,17 @@ def test_textured_and_shaded(tiny_scene):
 def test_bad_params_name_the_key(section, key):
     with pytest.raises(ParamsError, match=key.replace(".", r"\.")):
         load_section(scene.SceneParams, "scene", data={"scene": section})
+
+
+def test_float_with_exponent_that_yaml_1_1_reads_as_text_is_a_number():
+    # PyYAML reads 5.5e1 and 1e-4 as strings (YAML 1.1 wants 5.5e+1); DVC's YAML 1.2 reads numbers
+    section = yaml.safe_load("scene: {fov_deg: 5.5e1}")["scene"]
+    assert section["fov_deg"] == "5.5e1"
+    assert load_section(scene.SceneParams, "scene", data={"scene": section}).fov_deg == 55.0
+    with pytest.raises(ParamsError, match=r"scene\.fov_deg: expected a number"):
+        load_section(scene.SceneParams, "scene", data={"scene": {"fov_deg": "wide"}})
+    with pytest.raises(ParamsError, match=r"scene\.views: expected an integer"):  # ints stay strict
+        load_section(scene.SceneParams, "scene", data={"scene": {"views": "4e1"}})
 
 
 def test_bad_seed_rejected():

@@ -10,6 +10,7 @@ for example ``reconstruct.nerf.lr: must be > 0, got -1``.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -33,6 +34,11 @@ def check(condition: bool, key: str, message: str, value: Any) -> None:
     """
     if not condition:
         raise ParamsError(f"{key}: {message}, got {value!r}")
+
+
+# A float with an exponent that YAML 1.1 does not know (1e-4, 5.5e1: it wants a dot and a signed exponent,
+# 1.0e-4): YAML 1.2 and DVC's parser read a number, PyYAML reads a string, so `lr: 1e-4` would be refused.
+_EXPONENT_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+")
 
 
 def _type_name(tp: Any) -> str:
@@ -85,6 +91,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             raise ParamsError(f"{where}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
+            return float(value)  # 1e-4: a number to YAML 1.2 (and DVC), text to PyYAML's YAML 1.1
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ParamsError(f"{where}: expected a number, got {value!r}")
         return float(value)
