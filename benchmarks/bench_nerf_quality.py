@@ -50,8 +50,9 @@ train_module = importlib.import_module("stages.reconstruct.train")  # the module
 BUDGETS = (15.0, 30.0, 60.0, 120.0)
 
 # The GPU profile recommended for the NeRF (params.yaml's reconstruct section, then these): instant-ngp's
-# encoding (L=16, T=2^19, finest 2048 in the box) and training (2^18 samples a step with the rays
-# adapting, Adam that skips untouched table entries, an average of the weights for rendering), march
+# encoding (L=16, T=2^19) with its finest level at one cell per pixel footprint (max_resolution auto:
+# lego 375, where instant-ngp's 2048 lost 0.3 dB at 60 s; 4096 with scene contraction) and training
+# (2^18 samples a step with the rays adapting, Adam that skips untouched table entries, an average of the weights for rendering), march
 # steps of the box diagonal / 1024 as instant-ngp's sqrt(3)/1024 of the unit cube, a 128^3 occupancy
 # grid warmed up for 256 steps, TF32 matmuls. Every scene trains as a 25k-step run (about what 120 s
 # holds on an H200) whose learning rate decays exponentially to lr_final over those steps; the budgets
@@ -59,7 +60,7 @@ BUDGETS = (15.0, 30.0, 60.0, 120.0)
 # from 30 s to 120 s (2026-12-01 rows of nerf_quality_H200.json), and lego in its alpha hull scored
 # 32.35 / 33.32 / 33.72 dB at 15 / 30 / 60 s against 32.50 / 33.51 / 33.88 with this (H200, 2026-12-04).
 GPU_NERF = {
-    "levels": 16, "features_per_level": 2, "log2_hashmap_size": 19, "max_resolution": 2048,
+    "levels": 16, "features_per_level": 2, "log2_hashmap_size": 19, "max_resolution": "auto",
     "samples_per_ray": 1024, "occ_resolution": 128, "occ_warmup_steps": 256, "lr": 1e-2, "lr_schedule": "exp",
     "ema_decay": 0.99, "table_optimizer": "sparse", "target_samples": 1 << 18, "mlp_precision": "tf32",
     "distortion_loss": 0.0,  # instant-ngp has none; params.yaml's CPU profile does (--set nerf.distortion_loss=...)

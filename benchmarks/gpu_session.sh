@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. ao; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. aq; default a; each about 10 min)
 # 2026-12-06: ad, ae, af ran (one warm H100), then fern at 30k alone (the README's issue-16 table).
 # 2026-12-06 session 2: ag (the SH pair's GPU tests passed; NeRF levers), ai, aj, ak, al ran (one warm H100).
 # 2026-12-06 session 3: am (supersample: GPU tests passed, lost on lego, reverted again) and an ran (one warm H100).
@@ -409,6 +409,21 @@ ao)
     nq "lego_${kv//[.=]/_}" 95 --poses lego=$D/lego --budgets 15,30,60 --set "$kv"
   done
   ;;
-*) echo "gpu_session: part must be one of a-z, aa-ao" >&2; exit 2 ;;
+ap)
+  # issue 17: part ao's finest levels 512 and 256 beat 2048 on lego (the train views lower, the test views
+  # higher): where the trend turns, and whether 256 holds for another seed; about 5.5 min
+  for kv in nerf.max_resolution=128 nerf.max_resolution=192 nerf.max_resolution=384; do
+    nq "lego_${kv//[.=]/_}" 90 --poses lego=$D/lego --budgets 15,30,60 --set "$kv"
+  done
+  nq lego_res256_seed1 90 --poses lego=$D/lego --budgets 15,30,60 --set nerf.max_resolution=256 --seed 1
+  ;;
+aq)
+  # issue 17: the profile with nerf.max_resolution auto (lego: 375, one cell per pixel footprint at the
+  # box centre), seeds 0 and 1; and a 2^18 table beside it (fewer collisions to pay for at 375); ~4.5 min
+  nq lego_auto 90 --poses lego=$D/lego --budgets 15,30,60
+  nq lego_auto_seed1 90 --poses lego=$D/lego --budgets 15,30,60 --seed 1
+  nq lego_auto_t18 90 --poses lego=$D/lego --budgets 15,30,60 --set nerf.log2_hashmap_size=18
+  ;;
+*) echo "gpu_session: part must be one of a-z, aa-aq" >&2; exit 2 ;;
 esac
 echo "== done"

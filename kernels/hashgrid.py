@@ -489,6 +489,13 @@ class HashGrid(torch.nn.Module):
         init = torch.empty(levels, self.table_size, features_per_level).uniform_(-1e-4, 1e-4)
         self.table = torch.nn.Parameter(init.to(dtype))
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # the levels' resolutions come with the state (a model whose finest level was chosen from its
+        # scene, nerf.max_resolution auto, is rebuilt without the scene to render)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._resolutions_host = [int(r) for r in self.resolutions.tolist()]
+        self.max_resolution = self._resolutions_host[-1]
+
     def extra_repr(self) -> str:
         return (f"levels={self.levels}, features_per_level={self.features_per_level}, "
                 f"log2_hashmap_size={self.log2_hashmap_size}, resolutions="

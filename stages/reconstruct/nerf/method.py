@@ -7,6 +7,7 @@ checkpoints and evaluation call); its batches are random rays of the training vi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import torch
@@ -59,7 +60,11 @@ class NerfMethod:
                     step_diag = float((aabb[1] - aabb[0]).norm())
                     aabb = hull
         images = len(scene.train) if scene is not None else 1  # appearance codes; a loaded model brings its own
-        self.field = NerfField(cfg, aabb, use_kernels=self.use_kernels, num_images=images).to(device)
+        # the finest level: auto resolves from the scene; a model loaded without one (to render) gets
+        # its levels' resolutions from its state (HashGrid's buffer)
+        self.finest = finest_resolution(cfg, scene, aabb)
+        self.field = NerfField(dataclasses.replace(cfg, max_resolution=self.finest), aabb,
+                               use_kernels=self.use_kernels, num_images=images).to(device)
         alpha = scene is not None and scene.train.channels == 4
         if background is None and alpha:  # views with alpha render onto white (what evaluate composites on)
             background = (1.0, 1.0, 1.0)
@@ -307,7 +312,8 @@ class NerfMethod:
             "overflow_steps": g.overflow_steps, "failed": g.failed, "events": [list(e) for e in g.events]}
         if g is not None and g.cull:
             graph.update(march_budget=g.march_capacity, march_overflow_steps=g.march_overflow_steps)
-        out = {"kernels": self.use_kernels, "fused_render": self.fused, "cuda_graph": graph}
+        out = {"kernels": self.use_kernels, "fused_render": self.fused, "cuda_graph": graph,
+               "finest_resolution": int(self.field.encoding.resolutions[-1])}
         if self.budget is not None:
             b = self.budget
             out["ray_budget"] = {"target_samples": b.target, "rays_per_step": int(b.buffer),
@@ -437,6 +443,31 @@ def viewing_spread_deg(c2w: torch.Tensor) -> float:
     axes = axes / axes.norm(dim=-1, keepdim=True)
     cos = (axes @ axes.T).min().clamp(-1, 1)
     return math.degrees(float(torch.arccos(cos)))
+
+
+CONTRACTED_FINEST = 4096  # instant-ngp's 2048 over the box, which scene contraction maps to the grid's middle half
+LOADED_FINEST = 2048  # auto without a scene (a model loaded to render): a stand-in until its state is loaded
+
+
+def finest_resolution(cfg: NerfParams, scene, aabb: torch.Tensor) -> int:
+    """``cfg.max_resolution``, or for ``auto`` one cell of the finest level per pixel footprint at the
+    centre of the box ``aabb`` (the one the grid spans): its longest side over the median, across the
+    training views, of the camera's distance to that centre / its focal length (pixels). Clamped to
+    [base_resolution, 8192]. With scene contraction :data:`CONTRACTED_FINEST`."""
+    if cfg.max_resolution != "auto":
+        return int(cfg.max_resolution)
+    if cfg.scene_contraction != "none":
+        return CONTRACTED_FINEST
+    if scene is None:
+        return LOADED_FINEST
+    views = scene.train
+    centre = (0.5 * (aabb[0] + aabb[1])).double().cpu()
+    distance = (views.c2w[:, :3, 3].double().cpu() - centre).norm(dim=-1)
+    focal = 0.5 * (views.cameras.fx.double() + views.cameras.fy.double()).cpu()
+    footprint = float((distance / focal).median())
+    side = float((aabb[1] - aabb[0]).max())
+    cells = side / footprint if footprint > 0 else float("inf")
+    return int(min(max(round(cells), cfg.base_resolution), 8192))
 
 
 def contraction_box(scene, pad: float = 0.1) -> torch.Tensor:
