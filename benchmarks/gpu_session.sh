@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. aq; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. ar; default a; each about 10 min)
 # 2026-12-06: ad, ae, af ran (one warm H100), then fern at 30k alone (the README's issue-16 table).
 # 2026-12-06 session 2: ag (the SH pair's GPU tests passed; NeRF levers), ai, aj, ak, al ran (one warm H100).
 # 2026-12-06 session 3: am (supersample: GPU tests passed, lost on lego, reverted again) and an ran (one warm H100).
-# Next: ah (lego at 30k, seeds 1 and 2 on both sides).
+# 2026-12-06 session 4: ao, ap, aq ran (one warm H100; the finest level: max_resolution auto), then fox at finest 2048.
+# Next: ar (finest 2048 with scene contraction on fern, fox seed 1), ah (lego at 30k, seeds 1 and 2 on both sides).
 # Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
 # on fox; lego 3DGS at 30k beside gsplat); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
 # earlier parts are the commands the results JSONs cite.
@@ -424,6 +425,13 @@ aq)
   nq lego_auto_seed1 90 --poses lego=$D/lego --budgets 15,30,60 --seed 1
   nq lego_auto_t18 90 --poses lego=$D/lego --budgets 15,30,60 --set nerf.log2_hashmap_size=18
   ;;
-*) echo "gpu_session: part must be one of a-z, aa-aq" >&2; exit 2 ;;
+ar)
+  # issue 17, next: does a finest level of 2048 instead of contraction's 4096 hold on fern too (fox gained
+  # 0.26 dB at 120 s in one run, session 4)? Then fox again with it, a second run; about 9 min
+  nq fern_res2048 200 --poses fern=$D/fern --budgets 30,60,120 --set nerf.max_resolution=2048
+  nq fern_base 200 --poses fern=$D/fern --budgets 30,60,120
+  nq fox_res2048_seed1 170 --poses fox=$D/fox --budgets 30,60,120 --set nerf.max_resolution=2048 --seed 1
+  ;;
+*) echo "gpu_session: part must be one of a-z, aa-ar" >&2; exit 2 ;;
 esac
 echo "== done"
