@@ -54,11 +54,12 @@ BUDGETS = (15.0, 30.0, 60.0, 120.0)
 # lego 375, where instant-ngp's 2048 lost 0.3 dB at 60 s; 4096 with scene contraction) and training
 # (2^18 samples a step with the rays adapting, Adam that skips untouched table entries, an average of
 # the weights for rendering), march steps of the box diagonal / 1024 as instant-ngp's sqrt(3)/1024 of
-# the unit cube, a 128^3 occupancy grid warmed up for 256 steps, TF32 matmuls. Every scene trains as a 25k-step run (about what 120 s
-# holds on an H200) whose learning rate decays exponentially to lr_final over those steps; the budgets
-# are snapshots of it. With instant-ngp's step-free schedule ("ngp") fox lost 1.2 dB and fern 0.7 dB
-# from 30 s to 120 s (2026-12-01 rows of nerf_quality_H200.json), and lego in its alpha hull scored
-# 32.35 / 33.32 / 33.72 dB at 15 / 30 / 60 s against 32.50 / 33.51 / 33.88 with this (H200, 2026-12-04).
+# the unit cube, a 128^3 occupancy grid warmed up for 256 steps, TF32 matmuls. Every scene trains as a
+# 25k-step run (about what 120 s holds on an H200) whose learning rate decays exponentially to lr_final
+# over those steps; the budgets are snapshots of it. With instant-ngp's step-free schedule ("ngp") fox
+# lost 1.2 dB and fern 0.7 dB from 30 s to 120 s (2026-12-01 rows of nerf_quality_H200.json), and lego
+# in its alpha hull scored 32.35 / 33.32 / 33.72 dB at 15 / 30 / 60 s against 32.50 / 33.51 / 33.88
+# with this (H200, 2026-12-04, finest 2048).
 GPU_NERF = {
     "levels": 16, "features_per_level": 2, "log2_hashmap_size": 19, "max_resolution": "auto",
     "samples_per_ray": 1024, "occ_resolution": 128, "occ_warmup_steps": 256, "lr": 1e-2, "lr_schedule": "exp",

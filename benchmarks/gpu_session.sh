@@ -403,7 +403,7 @@ an)
   ;;
 ao)
   # issue 17: does lego's gap (train views 37.5 dB, test 34.0) come from levels finer than a pixel's footprint
-  # (about 1/280 of the box at lego's distance), from the occupancy grid pruning thin parts, or from the
+  # (about 1/375 of the hull's longest side at lego's distance), from the occupancy grid pruning thin parts, or from the
   # rate? One run each at 15 / 30 / 60 s, the profile otherwise; about 9 min
   for kv in nerf.max_resolution=512 nerf.max_resolution=256 nerf.occ_threshold=0.002 nerf.lr=0.005 \
       nerf.occ_resolution=256 nerf.log2_hashmap_size=17; do

@@ -9,7 +9,7 @@ import torch
 from stages.common.params import ParamsError, from_dict
 from stages.reconstruct.config import NerfParams
 from stages.reconstruct.data import Cameras
-from stages.reconstruct.nerf.method import CONTRACTED_FINEST, finest_resolution
+from stages.reconstruct.nerf.method import CONTRACTED_FINEST, LOADED_FINEST, finest_resolution
 
 BOX = torch.tensor([[-0.5, -0.25, -0.25], [0.5, 0.25, 0.25]])  # longest side 1
 
@@ -40,6 +40,8 @@ def test_explicit_contracted_and_loaded_finest():
     assert finest_resolution(NerfParams(max_resolution=300), scene, BOX) == 300
     contracted = NerfParams(max_resolution="auto", scene_contraction="mipnerf360")
     assert finest_resolution(contracted, scene, BOX) == CONTRACTED_FINEST
+    # no scene (a model loaded to render): a stand-in, until the state brings the trained levels
+    assert finest_resolution(NerfParams(max_resolution="auto"), None, BOX) == LOADED_FINEST
 
 
 def test_max_resolution_accepts_auto_or_a_resolution_only():

@@ -62,8 +62,8 @@ class NerfMethod:
         images = len(scene.train) if scene is not None else 1  # appearance codes; a loaded model brings its own
         # the finest level: auto resolves from the scene; a model loaded without one (to render) gets
         # its levels' resolutions from its state (HashGrid's buffer)
-        self.finest = finest_resolution(cfg, scene, aabb)
-        self.field = NerfField(dataclasses.replace(cfg, max_resolution=self.finest), aabb,
+        finest = finest_resolution(cfg, scene, aabb)
+        self.field = NerfField(dataclasses.replace(cfg, max_resolution=finest), aabb,
                                use_kernels=self.use_kernels, num_images=images).to(device)
         alpha = scene is not None and scene.train.channels == 4
         if background is None and alpha:  # views with alpha render onto white (what evaluate composites on)
