@@ -1,0 +1,78 @@
+"""benchmarks/bench_nerf_peer.py's CPU-side parts: reading the peer's printed numbers, the report rows,
+and the in-memory changes its runner makes to nerfacc's example (against the example itself, where
+``prepare_peer_ngp.sh`` has put it in .gpu/peer). The runs need a GPU and tiny-cuda-nn (the script's
+docstring); their results are in benchmarks/results."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from stages.report import read_benchmark
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / ".gpu" / "peer" / "nerfacc-examples" / "examples" / "train_ngp_nerf_occ.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_nerf_peer", ROOT / "benchmarks" / "bench_nerf_peer.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+PRINTED = """peer runner: train_ngp_nerf_occ.py, max_steps 5000, images 400x400
+elapsed_time=0.52s | step=0 | loss=0.08000 | psnr=10.97 | n_rendering_samples=1000 | num_rays=1024 | max_depth=1.0 |
+elapsed_time=27.41s | step=5000 | loss=0.00021 | psnr=36.78 | n_rendering_samples=262000 | num_rays=9000 | max_depth=4.1 |
+100%|##########| 25/25
+evaluation: psnr_avg=32.8123, lpips_avg=0.0
+"""
+
+
+def test_reads_the_time_and_psnr_of_the_last_step():
+    row = _bench().parse_peer(PRINTED, 5000)
+    assert row == {"steps": 5000, "train_seconds": 27.41, "psnr": 32.8123, "train_batch_psnr": 36.78}
+
+
+def test_a_run_that_did_not_reach_its_last_step_is_refused():
+    with pytest.raises(ValueError, match="no time or PSNR"):
+        _bench().parse_peer(PRINTED, 10000)
+    with pytest.raises(ValueError, match="no time or PSNR"):
+        _bench().parse_peer(PRINTED.replace("evaluation", "crashed"), 5000)
+
+
+def test_report_rows_are_what_the_report_reads(tmp_path):
+    bench = _bench()
+    pairs = [{"steps": 5000, "train_seconds": 27.41, "psnr": 32.81}]
+    ours = {"rows": [{"budget": 27.4, "steps": 6100, "time_s": 27.43, "psnr": 33.02, "ssim": 0.97,
+                      "worst_view_psnr": 28.9}]}
+    rows = bench.report_rows("lego", pairs, ours)
+    assert [r["impl"] for r in rows] == [bench.PEER, "rayforge nerf"]
+    assert rows[1]["train_s"] == 27.43 and rows[1]["psnr"] == 33.02
+    path = tmp_path / "peer.json"
+    path.write_text(json.dumps({"environment": {"gpu": "x"}, "protocol": bench.PROTOCOL, "peer": bench.PEER,
+                                "rows": rows}))
+    doc = read_benchmark(path)
+    assert doc["peer"] == bench.PEER and len(doc["rows"]) == 2
+    table = bench.table([{**pairs[0], "ours_psnr": 33.02, "ours_steps": 6100}])
+    assert "+0.21" in table and "27.4 s" in table
+
+
+def test_patching_sets_the_steps_and_refuses_another_version():
+    bench = _bench()
+    src = "if a:\n    max_steps = 20000\nelse:\n    max_steps = 20000\nfor step in r:\n    if step % 10000 == 0:\n"
+    out = bench.patch_example(src, 5000)
+    assert out.count("max_steps = 5000") == 2 and "20000" not in out
+    assert "if step % 10000 == 0 or step == max_steps:" in out
+    with pytest.raises(ValueError, match="another version"):
+        bench.patch_example(src.replace("max_steps = 20000", "max_steps = 30000"), 5000)
+
+
+@pytest.mark.skipif(not EXAMPLE.is_file(), reason="nerfacc's example is not in .gpu/peer (prepare_peer_ngp.sh)")
+def test_the_example_as_packed_takes_the_patch():
+    out = _bench().patch_example(EXAMPLE.read_text(), 5000)
+    compile(out, str(EXAMPLE), "exec")
+    assert "max_steps = 20000" not in out and "max_steps = 5000" in out
+    assert "WIDTH, HEIGHT = 800, 800" in (EXAMPLE.parent / "datasets" / "nerf_synthetic.py").read_text()
