@@ -202,8 +202,8 @@ PROTOCOL = ("bench_nerf_peer.py: the peer is nerfacc's examples/train_ngp_nerf_o
 def report_rows(scene: str, rows: list[dict], ours: dict | None) -> list[dict]:
     """The layout the report's benchmark appendix reads (``stages.report.read_benchmark``): the peer's
     runs, then ours at the same training times."""
-    out = [{"scene": scene, "steps": r["steps"], "impl": PEER, "train_s": r["train_seconds"], "psnr": r["psnr"]}
-           for r in rows]
+    out = [{"scene": scene, "steps": r["steps"], "impl": PEER, "budget_s": round(r["train_seconds"], 1),
+            "train_s": r["train_seconds"], "psnr": r["psnr"]} for r in rows]
     for row in (ours or {}).get("rows", []):
         out.append({"scene": scene, "steps": row["steps"], "impl": "rayforge nerf", "budget_s": row["budget"],
                     "train_s": row["time_s"], "psnr": row["psnr"], "ssim": row["ssim"],

@@ -371,10 +371,11 @@ def report_rows(results: list[dict]) -> list[dict]:
             out.append({"scene": r["scene"], "steps": row["steps"], "impl": f"rayforge {label(r)}",
                         "budget_s": row["budget"], "train_s": row["time_s"], "psnr": row["psnr"], "ssim": row["ssim"],
                         "worst_view_psnr": row["worst_view_psnr"], "train_views_psnr": row.get("train_psnr"),
-                        "peak_gb": None if mem is None else mem / 1e9})
+                        "peak_gb": None if mem is None else mem / 1e9, "poses_md5": r.get("poses_md5")})
     return out
 
 
+PEER = "rayforge 3dgs"  # what the report sets each row beside: the 3DGS method at the same budget
 PROTOCOL = ("in one run per scene (bench_nerf_quality.py): the model snapshotted as its training clock passed each "
             "budget; 'train s' is that budget's training time, every test view scored.")
 
@@ -384,7 +385,7 @@ def document(gpu: str, budgets, results: list[dict], sets: dict | None = None, t
     the runs' (default: this process's)."""
     tv = torch_version or torch.__version__
     return {"gpu": gpu, "torch": tv, "budgets": budgets,
-            "environment": {"gpu": gpu, "torch": tv}, "protocol": PROTOCOL, "sets": sets or {},
+            "environment": {"gpu": gpu, "torch": tv}, "protocol": PROTOCOL, "sets": sets or {}, "peer": PEER,
             "rows": report_rows(results), "results": results, "targets": dict(targets(results))}
 
 

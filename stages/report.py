@@ -254,22 +254,42 @@ def _decimals(value, nd: int) -> int:
     return nd
 
 
-def benchmark_rows(rows: list[dict], peer: str | None = None) -> list[list[str]]:
-    """Table rows, with each implementation's training time against the peer's of the same scene and steps.
+def by_budget(rows: list[dict]) -> bool:
+    """Whether the rows are snapshots at wall-clock budgets (every row has a ``budget_s``): then rows
+    pair up by budget, and the comparison is PSNR at equal training time, not time at equal steps."""
+    return all(isinstance(r.get("budget_s"), (int, float)) for r in rows)
 
-    ``peer`` names the implementation every other row is timed against (a file with more than two
+
+def benchmark_rows(rows: list[dict], peer: str | None = None) -> list[list[str]]:
+    """Table rows, each compared with the peer's row of the same scene and steps (its training time, as
+    a ratio) or, for snapshots at wall-clock budgets (:func:`by_budget`), the same scene and budget (its
+    PSNR, as a difference in dB).
+
+    ``peer`` names the implementation every other row is compared with (a file with more than two
     rows a scene, e.g. ours graphed and eager beside gsplat and a patched gsplat); without it, each
-    row is timed against the first other implementation of its scene and steps."""
+    row is compared with the first other implementation of its scene and steps (or budget)."""
+    key = "budget_s" if by_budget(rows) else "steps"
     out = []
     for r in rows:
-        cells = [fmt(r.get(key), _decimals(r.get(key), nd)) if nd is not None else fmt(r.get(key))
-                 for _, key, nd in BENCH_COLUMNS]
+        cells = [fmt(r.get(k), _decimals(r.get(k), nd)) if nd is not None else fmt(r.get(k))
+                 for _, k, nd in BENCH_COLUMNS]
         peer_row = next((x for x in rows if x is not r and x.get("scene") == r.get("scene")
-                         and x.get("steps") == r.get("steps") and x.get("impl") != r.get("impl")
+                         and x.get(key) == r.get(key) and x.get("impl") != r.get("impl")
+                         and x.get("poses_md5") == r.get("poses_md5")  # SfM run again: not comparable
                          and (peer is None or x.get("impl") == peer)), None)
-        ratio = (r["train_s"] / peer_row["train_s"]) if peer_row and peer_row.get("train_s") else None
-        out.append(cells[:4] + ([f"{ratio:.2f}x {peer_row['impl']}'s"] if ratio else [""]) + cells[4:])
+        if key == "budget_s":
+            ok = peer_row is not None and all(isinstance(x.get("psnr"), (int, float)) for x in (r, peer_row))
+            vs = f"{r['psnr'] - peer_row['psnr']:+.2f} dB vs {peer_row['impl']}" if ok else ""
+        else:
+            ratio = (r["train_s"] / peer_row["train_s"]) if peer_row and peer_row.get("train_s") else None
+            vs = f"{ratio:.2f}x {peer_row['impl']}'s" if ratio else ""
+        out.append(cells[:4] + [vs] + cells[4:])
     return out
+
+
+def vs_header(rows: list[dict]) -> str:
+    """The comparison column's title for :func:`benchmark_rows`."""
+    return "PSNR vs peer, same time" if by_budget(rows) else "time vs peer"
 
 
 # ---------------------------------------------------------------- published numbers
@@ -780,7 +800,7 @@ def run(
                  f"{env_b.get('torch', 'n/a')}{', gsplat ' + str(env_b['gsplat']) if env_b.get('gsplat') else ''}) "
                  + how, em=True)
         headers = [h for h, _, _ in BENCH_COLUMNS]
-        doc.table(headers[:4] + ["time vs peer"] + headers[4:], benchmark_rows(bench["rows"], bench["peer"]),
+        doc.table(headers[:4] + [vs_header(bench["rows"])] + headers[4:], benchmark_rows(bench["rows"], bench["peer"]),
                   "benchmark")
         if bench.get("seed_summary"):
             doc.h3("Mean test PSNR over seeds")
@@ -789,8 +809,8 @@ def run(
             doc.h3(f"Also run: {block['name']}")
             if block["note"]:
                 doc.para(block["note"], em=True)
-            doc.table(headers[:4] + ["time vs peer"] + headers[4:], benchmark_rows(block["rows"], bench["peer"]),
-                      "benchmark")
+            doc.table(headers[:4] + [vs_header(block["rows"])] + headers[4:],
+                      benchmark_rows(block["rows"], bench["peer"]), "benchmark")
     if elsewhere:
         doc.h2("Appendix: scaling measured on other scenes")
         others = sorted({str(sc.get("scene") or "scene not recorded") for sc in elsewhere})

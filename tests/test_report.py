@@ -433,6 +433,25 @@ def test_method_benchmarks_read_and_compare_to_their_peer(tmp_path):
         read_benchmark(path)
 
 
+def test_snapshots_at_budgets_compare_psnr_at_the_same_time():
+    """Rows that all carry a wall-clock budget pair up by budget (and poses), and the column gives the
+    PSNR difference to the peer at that budget, not a ratio of (equal) times."""
+    from stages.report import benchmark_rows, vs_header
+
+    rows = [{"scene": "fox", "steps": 9000, "impl": "rayforge nerf", "budget_s": 60.0, "train_s": 60.1, "psnr": 31.3},
+            {"scene": "fox", "steps": 5000, "impl": "rayforge 3dgs", "budget_s": 60.0, "train_s": 60.2, "psnr": 32.1},
+            {"scene": "fox", "steps": 9100, "impl": "rayforge nerf (seed 1)", "budget_s": 60.0, "train_s": 60.0,
+             "psnr": 31.5, "poses_md5": "other"},
+            {"scene": "fox", "steps": 18000, "impl": "rayforge nerf", "budget_s": 120.0, "train_s": 120.0, "psnr": 31.7}]
+    table = benchmark_rows(rows, peer="rayforge 3dgs")
+    assert vs_header(rows) == "PSNR vs peer, same time"
+    assert table[0][4] == "-0.80 dB vs rayforge 3dgs"
+    assert table[1][4] == ""  # the peer itself
+    assert table[2][4] == ""  # trained on other poses: no pair
+    assert table[3][4] == ""  # no peer row at 120 s
+    assert vs_header([{k: v for k, v in r.items() if k != "budget_s"} for r in rows]) == "time vs peer"
+
+
 def test_method_benchmarks_show_seeds_and_other_runs(tmp_path):
     """A benchmark's seeds summary and its other_runs blocks with rows of the table's shape are
     read for the appendix; blocks without such rows are left out."""
