@@ -113,7 +113,9 @@ def ensure_tcnn(peer: Path, wheel_out: Path | None, log: Path) -> dict:
     wheels = sorted(glob.glob(str(peer / "tinycudann-*.whl")))
     if wheels:
         pip_install(wheels[-1], log)
-        return {"tcnn": f"installed {Path(wheels[-1]).name}"}
+        if importable("tinycudann"):
+            return {"tcnn": f"installed {Path(wheels[-1]).name}"}
+        print(f"{Path(wheels[-1]).name} does not import here: building tiny-cuda-nn", flush=True)
     import torch
 
     major, minor = torch.cuda.get_device_capability()
@@ -247,10 +249,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"peer ready: {setup}", flush=True)
     if args.build_only:
         return 0
+    gpu = torch.cuda.get_device_name()
+    commit = args.peer / "tiny-cuda-nn.commit"
+    setup["tiny_cuda_nn"] = commit.read_text().strip() if commit.exists() else "unknown"
+
+    def write(rows: list[dict], ours: dict | None) -> None:  # after every run: a cut-off call keeps what ran
+        if args.json:
+            doc = {"gpu": gpu, "torch": torch.__version__, "scene": args.scene,
+                   "environment": {"gpu": gpu, "torch": torch.__version__}, "protocol": PROTOCOL, "peer": PEER,
+                   "peer_setup": setup, "pairs": rows, "rows": report_rows(args.scene, rows, ours), "ours": ours,
+                   "ours_sets": args.set, "seed": args.seed, "complete": ours is not None or args.poses is None}
+            tmp = args.json.with_suffix(".part")
+            tmp.write_text(json.dumps(doc, indent=2, default=str))
+            tmp.replace(args.json)
+
     rows = []
     for steps in (int(s) for s in args.steps.split(",")):
         rows.append(run_peer(args.peer, args.scene, steps, runs))
         print(f"peer {steps} steps: {rows[-1]['psnr']:.2f} dB after {rows[-1]['train_seconds']:.1f} s", flush=True)
+        write(rows, None)
     ours = None
     if args.poses is not None:
         budgets = [round(r["train_seconds"], 1) for r in rows]
@@ -261,17 +278,10 @@ def main(argv: list[str] | None = None) -> int:
             got = by_budget.get(round(r["train_seconds"], 1))
             r["ours_psnr"] = None if got is None else got["psnr"]
             r["ours_steps"] = None if got is None else got["steps"]
-    gpu = torch.cuda.get_device_name()
+        write(rows, ours)
     print(f"\n{args.scene}: nerfacc's instant-ngp example against ours ({gpu}, torch {torch.__version__})")
     print(table(rows))
     if args.json:
-        commit = (args.peer / "tiny-cuda-nn.commit")
-        doc = {"gpu": gpu, "torch": torch.__version__, "scene": args.scene,
-               "environment": {"gpu": gpu, "torch": torch.__version__}, "protocol": PROTOCOL, "peer": PEER,
-               "peer_setup": {"tiny_cuda_nn": commit.read_text().strip() if commit.exists() else "unknown", **setup},
-               "pairs": rows, "rows": report_rows(args.scene, rows, ours), "ours": ours,
-               "ours_sets": args.set, "seed": args.seed}
-        args.json.write_text(json.dumps(doc, indent=2, default=str))
         print(f"wrote {args.json}")
     return 0
 
