@@ -5,7 +5,9 @@
 # 2026-12-06 session 2: ag (the SH pair's GPU tests passed; NeRF levers), ai, aj, ak, al ran (one warm H100).
 # 2026-12-06 session 3: am (supersample: GPU tests passed, lost on lego, reverted again) and an ran (one warm H100).
 # 2026-12-06 session 4: ao, ap, aq ran (one warm H100; the finest level: max_resolution auto), then fox at finest 2048.
-# Next: ar (finest 2048 with scene contraction on fern, fox seed 1), ah (lego at 30k, seeds 1 and 2 on both sides).
+# 2026-12-06 session 5: no part ran; bench_nerf_peer.py (nerfacc's ngp example beside ours on lego) and two lego
+# levers at 46 s ran ad hoc on one H100 (README). Next: bench_nerf_peer.py --steps 5000,10000,20000 with the
+# levers the peer points at, then ar (finest 2048 with scene contraction on fern, fox seed 1), ah (lego at 30k).
 # Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
 # on fox; lego 3DGS at 30k beside gsplat); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
 # earlier parts are the commands the results JSONs cite.
