@@ -2,7 +2,7 @@
 # The instant-ngp-class NeRF peer for bench_nerf_peer.py, packed for a GPU host without network:
 # nerfacc's instant-ngp example (examples/train_ngp_nerf_occ.py, nerfacc 0.5.3 from PyPI, the examples
 # from the nerfacc repository at tag v0.5.3) on tiny-cuda-nn's PyTorch bindings, which have no wheel and
-# are built there from source (bench_nerf_peer.py builds them once a machine, about 5 minutes).
+# are built there from source (bench_nerf_peer.py builds them once a machine: 135 s on an H100 host).
 #   bash benchmarks/prepare_peer_ngp.sh <tiny-cuda-nn checkout, with submodules> <nerfacc checkout> \
 #     [out=.gpu/peer] [data=../shared/data]
 # A tiny-cuda-nn checkout: git clone --recursive https://github.com/NVlabs/tiny-cuda-nn (the bindings
