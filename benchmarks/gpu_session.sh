@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. ar; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. at; default a; each about 10 min)
 # 2026-12-06: ad, ae, af ran (one warm H100), then fern at 30k alone (the README's issue-16 table).
 # 2026-12-06 session 2: ag (the SH pair's GPU tests passed; NeRF levers), ai, aj, ak, al ran (one warm H100).
 # 2026-12-06 session 3: am (supersample: GPU tests passed, lost on lego, reverted again) and an ran (one warm H100).
 # 2026-12-06 session 4: ao, ap, aq ran (one warm H100; the finest level: max_resolution auto), then fox at finest 2048.
 # 2026-12-06 session 5: no part ran; bench_nerf_peer.py (nerfacc's ngp example beside ours on lego) and two lego
-# levers at 46 s ran ad hoc on one H100 (README). Next: bench_nerf_peer.py --steps 5000,10000,20000 with the
-# levers the peer points at, then ar (finest 2048 with scene contraction on fern, fox seed 1), ah (lego at 30k).
+# levers at 46 s ran ad hoc on one H100 (README). Next: as (the peer at 5k / 10k / 20k steps, ours beside each),
+# at (the levers the peer points at), then ar (finest 2048 with contraction on fern, fox seed 1), ah (lego at 30k).
 # Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
 # on fox; lego 3DGS at 30k beside gsplat); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
 # earlier parts are the commands the results JSONs cite.
@@ -434,6 +434,23 @@ ar)
   nq fern_base 200 --poses fern=$D/fern --budgets 30,60,120
   nq fox_res2048_seed1 170 --poses fox=$D/fox --budgets 30,60,120 --set nerf.max_resolution=2048 --seed 1
   ;;
-*) echo "gpu_session: part must be one of a-z, aa-ar" >&2; exit 2 ;;
+as)
+  # issue 17, next (first): lego beside nerfacc's instant-ngp example at its 5k, 10k and 20k-step schedules,
+  # ours snapshotted at each of its times (bench_nerf_peer.py; session 5 ran the 5k pair only: 34.64 against
+  # 34.09 dB at 46 s). Carry .gpu/peer and .gpu/data/lego only (with .gpu/data's other scenes the call passes
+  # 64 MiB); without a tinycudann wheel in .gpu/peer the build takes 135 s more. Our 25k-step run ends at
+  # about 110 s: a later peer time gets our final model, marked "finished" in ours.json. About 8 min
+  step peer 470 python3 benchmarks/bench_nerf_peer.py --peer .gpu/peer --poses $D/lego --steps 5000,10000,20000 \
+    --wheel-out "$OUT" --log-dir "$OUT/peer" --json "$OUT/peer.json"
+  ;;
+at)
+  # issue 17, after as: the levers the peer points at, on lego at the peer's times (set BUDGETS to them;
+  # default: session 5's 46 s and the 10k / 20k times guessed from its 109 steps/s), one run each
+  B=${BUDGETS:-46,92,184}
+  nq lego_cull 200 --poses lego=$D/lego --budgets $B --set nerf.cull_occluded=true --set steps=50000
+  nq lego_dense_adam 200 --poses lego=$D/lego --budgets $B --set nerf.table_optimizer=adam --set steps=50000
+  nq lego_base_long 200 --poses lego=$D/lego --budgets $B --set steps=50000
+  ;;
+*) echo "gpu_session: part must be one of a-z, aa-at" >&2; exit 2 ;;
 esac
 echo "== done"
