@@ -29,6 +29,7 @@ the ``--peer`` folder and the next machine installs it instead of building.
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import os
@@ -87,6 +88,7 @@ def sh(cmd: list[str], log: Path, env: dict | None = None, cwd: Path | None = No
         return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd).returncode
 
 
+@functools.lru_cache(maxsize=None)
 def system_libstdcxx() -> str | None:
     """The C++ runtime of the compiler that builds the bindings (``g++ -print-file-name``), or None."""
     try:
@@ -203,6 +205,7 @@ def run_peer(peer: Path, scene: str, steps: int, log: Path) -> dict:
 
 
 def run_ours(poses: Path, budgets: list[float], seed: int, sets: list[str], out: Path, log: Path) -> dict:
+    """bench_nerf_quality.py's document of one lego run snapshotted at ``budgets``."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_nerf_quality.py"), "--poses", f"lego={poses}",
            "--budgets", ",".join(f"{b:g}" for b in budgets), "--seed", str(seed), "--json", str(out)]
     for kv in sets:
@@ -210,7 +213,11 @@ def run_ours(poses: Path, budgets: list[float], seed: int, sets: list[str], out:
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     if sh(cmd, log, env=env):
         raise SystemExit(f"bench_nerf_peer: our run failed (see {log})")
-    doc = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def nerf_result(doc: dict) -> dict:
+    """The NeRF run of a bench_nerf_quality.py document."""
     return next(r for r in doc["results"] if r["method"] == "nerf")
 
 
@@ -220,15 +227,14 @@ PROTOCOL = ("bench_nerf_peer.py: the peer is nerfacc's examples/train_ngp_nerf_o
             "GPU profile snapshotted at the peer's times, on the same views and GPU, in the same call.")
 
 
-def report_rows(scene: str, rows: list[dict], ours: dict | None) -> list[dict]:
+def report_rows(scene: str, rows: list[dict], ours_doc: dict | None) -> list[dict]:
     """The layout the report's benchmark appendix reads (``stages.report.read_benchmark``): the peer's
-    runs, then ours at the same training times."""
+    runs, then ours at the same training times as bench_nerf_quality.py wrote them. Their poses md5 is
+    left out: the peer reads the Blender folder itself, not a poses out, so the report would pair
+    nothing; both use that folder's cameras and views."""
     out = [{"scene": scene, "steps": r["steps"], "impl": PEER, "budget_s": round(r["train_seconds"], 1),
             "train_s": r["train_seconds"], "psnr": r["psnr"]} for r in rows]
-    for row in (ours or {}).get("rows", []):
-        out.append({"scene": scene, "steps": row["steps"], "impl": "rayforge nerf", "budget_s": row["budget"],
-                    "train_s": row["time_s"], "psnr": row["psnr"], "ssim": row["ssim"],
-                    "worst_view_psnr": row["worst_view_psnr"]})
+    out += [{k: v for k, v in row.items() if k != "poses_md5"} for row in (ours_doc or {}).get("rows", [])]
     return out
 
 
@@ -280,12 +286,13 @@ def main(argv: list[str] | None = None) -> int:
     commit = args.peer / "tiny-cuda-nn.commit"
     setup["tiny_cuda_nn"] = commit.read_text().strip() if commit.exists() else "unknown"
 
-    def write(rows: list[dict], ours: dict | None) -> None:  # after every run: a cut-off call keeps what ran
+    def write(rows: list[dict], ours_doc: dict | None) -> None:  # after every run: a cut-off call keeps what ran
         if args.json:
             doc = {"gpu": gpu, "torch": torch.__version__, "scene": args.scene,
                    "environment": {"gpu": gpu, "torch": torch.__version__}, "protocol": PROTOCOL, "peer": PEER,
-                   "peer_setup": setup, "pairs": rows, "rows": report_rows(args.scene, rows, ours), "ours": ours,
-                   "ours_sets": args.set, "seed": args.seed, "complete": ours is not None or args.poses is None}
+                   "peer_setup": setup, "pairs": rows, "rows": report_rows(args.scene, rows, ours_doc),
+                   "ours": None if ours_doc is None else nerf_result(ours_doc),
+                   "ours_sets": args.set, "seed": args.seed, "complete": ours_doc is not None or args.poses is None}
             tmp = args.json.with_suffix(".part")
             tmp.write_text(json.dumps(doc, indent=2, default=str))
             tmp.replace(args.json)
@@ -295,17 +302,16 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run_peer(args.peer, args.scene, steps, runs))
         print(f"peer {steps} steps: {rows[-1]['psnr']:.2f} dB after {rows[-1]['train_seconds']:.1f} s", flush=True)
         write(rows, None)
-    ours = None
     if args.poses is not None:
         budgets = [round(r["train_seconds"], 1) for r in rows]
-        ours = run_ours(args.poses, budgets, args.seed, args.set, args.log_dir / "ours.json",
-                        args.log_dir / "ours.log")
-        by_budget = {row["budget"]: row for row in ours["rows"]}
+        ours_doc = run_ours(args.poses, budgets, args.seed, args.set, args.log_dir / "ours.json",
+                            args.log_dir / "ours.log")
+        by_budget = {row["budget"]: row for row in nerf_result(ours_doc)["rows"]}
         for r in rows:
             got = by_budget.get(round(r["train_seconds"], 1))
             r["ours_psnr"] = None if got is None else got["psnr"]
             r["ours_steps"] = None if got is None else got["steps"]
-        write(rows, ours)
+        write(rows, ours_doc)
     print(f"\n{args.scene}: nerfacc's instant-ngp example against ours ({gpu}, torch {torch.__version__})")
     print(table(rows))
     if args.json:

@@ -292,6 +292,12 @@ def vs_header(rows: list[dict]) -> str:
     return "PSNR vs peer, same time" if by_budget(rows) else "time vs peer"
 
 
+def benchmark_table(rows: list[dict], peer: str | None = None) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of a benchmark appendix table: :data:`BENCH_COLUMNS` with the comparison column."""
+    headers = [h for h, _, _ in BENCH_COLUMNS]
+    return headers[:4] + [vs_header(rows)] + headers[4:], benchmark_rows(rows, peer)
+
+
 # ---------------------------------------------------------------- published numbers
 
 
@@ -799,9 +805,7 @@ def run(
         doc.para(f"Not this run: {bench['source']}, measured on {where} (torch "
                  f"{env_b.get('torch', 'n/a')}{', gsplat ' + str(env_b['gsplat']) if env_b.get('gsplat') else ''}) "
                  + how, em=True)
-        headers = [h for h, _, _ in BENCH_COLUMNS]
-        doc.table(headers[:4] + [vs_header(bench["rows"])] + headers[4:], benchmark_rows(bench["rows"], bench["peer"]),
-                  "benchmark")
+        doc.table(*benchmark_table(bench["rows"], bench["peer"]), "benchmark")
         if bench.get("seed_summary"):
             doc.h3("Mean test PSNR over seeds")
             doc.table(*seed_summary_rows(bench["seed_summary"]), "benchmark")
@@ -809,8 +813,7 @@ def run(
             doc.h3(f"Also run: {block['name']}")
             if block["note"]:
                 doc.para(block["note"], em=True)
-            doc.table(headers[:4] + [vs_header(block["rows"])] + headers[4:],
-                      benchmark_rows(block["rows"], bench["peer"]), "benchmark")
+            doc.table(*benchmark_table(block["rows"], bench["peer"]), "benchmark")
     if elsewhere:
         doc.h2("Appendix: scaling measured on other scenes")
         others = sorted({str(sc.get("scene") or "scene not recorded") for sc in elsewhere})

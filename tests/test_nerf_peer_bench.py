@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.report import read_benchmark
+from stages.report import benchmark_rows, read_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / ".gpu" / "peer" / "nerfacc-examples" / "examples" / "train_ngp_nerf_occ.py"
@@ -46,16 +46,18 @@ def test_a_run_that_did_not_reach_its_last_step_is_refused():
 def test_report_rows_are_what_the_report_reads(tmp_path):
     bench = _bench()
     pairs = [{"steps": 5000, "train_seconds": 27.41, "psnr": 32.81}]
-    ours = {"rows": [{"budget": 27.4, "steps": 6100, "time_s": 27.43, "psnr": 33.02, "ssim": 0.97,
-                      "worst_view_psnr": 28.9}]}
-    rows = bench.report_rows("lego", pairs, ours)
+    ours_doc = {"rows": [{"scene": "lego", "steps": 6100, "impl": "rayforge nerf", "budget_s": 27.4,
+                          "train_s": 27.43, "psnr": 33.02, "ssim": 0.97, "poses_md5": "4fe80dd4"}]}
+    rows = bench.report_rows("lego", pairs, ours_doc)
     assert [r["impl"] for r in rows] == [bench.PEER, "rayforge nerf"]
-    assert rows[1]["train_s"] == 27.43 and rows[1]["psnr"] == 33.02
+    assert rows[1]["train_s"] == 27.43 and rows[1]["psnr"] == 33.02 and "poses_md5" not in rows[1]
+    assert rows[0]["budget_s"] == rows[1]["budget_s"]  # so the report pairs them
     path = tmp_path / "peer.json"
     path.write_text(json.dumps({"environment": {"gpu": "x"}, "protocol": bench.PROTOCOL, "peer": bench.PEER,
                                 "rows": rows}))
     doc = read_benchmark(path)
     assert doc["peer"] == bench.PEER and len(doc["rows"]) == 2
+    assert benchmark_rows(doc["rows"], doc["peer"])[1][4] == f"+0.21 dB vs {bench.PEER}"
     table = bench.table([{**pairs[0], "ours_psnr": 33.02, "ours_steps": 6100}])
     assert "+0.21" in table and "27.4 s" in table
 
