@@ -46,6 +46,10 @@ SITE = Path("/tmp/site")  # where the peer's packages go on the GPU host (gpu_se
 
 # Runs the peer's example (patched in memory by :func:`patch_example`, handed over as a file outside
 # the peer's folder) as its own __main__, with its loader at the images' size and LPIPS stood in.
+# tiny-cuda-nn's modules are made to take an empty batch: the example's test renderer queries the field
+# with whatever its march found, and where that was no sample (a view whose remaining rays all miss the
+# occupancy grid) tiny-cuda-nn failed with "CUDA error: invalid argument" (H100, 2026-12-06: the
+# 200-step run; 2026-12-07: the 5000-step run, after 24 of its 25 test views).
 RUNNER = r"""
 import sys, types, imageio.v2 as imageio, glob, os, torch
 examples, script, patched, root, scene = sys.argv[1:6]
@@ -58,6 +62,13 @@ class LPIPS(torch.nn.Module):
 stub.LPIPS = LPIPS
 sys.modules["lpips"] = stub
 sys.path[:0] = [examples, os.path.dirname(examples)]
+import tinycudann as tcnn
+def empty_ok(forward):
+    def call(self, x):  # an empty batch: a one-row pass cut to zero rows (its dtype and graph kept)
+        return forward(self, x) if x.shape[0] else forward(self, x.new_zeros((1, *x.shape[1:])))[:0]
+    return call
+for cls in (tcnn.Encoding, tcnn.Network, tcnn.NetworkWithInputEncoding):
+    cls.forward = empty_ok(cls.forward)
 import datasets.nerf_synthetic as ns
 h, w = imageio.imread(sorted(glob.glob(os.path.join(root, scene, "train", "*.png")))[0]).shape[:2]
 ns.SubjectLoader.WIDTH, ns.SubjectLoader.HEIGHT = w, h

@@ -166,6 +166,17 @@ def test_bad_loss_settings_are_refused():
 # ---------------------------------------------------------------- the optimiser pieces
 
 
+@pytest.mark.parametrize("table_optimizer", ["adam", "sparse"])
+def test_adam_beta2_reaches_the_table_and_the_mlps(table_optimizer):
+    method = _method(_scene(), table_optimizer=table_optimizer, adam_beta2=0.999)
+    groups = [g for opt in method.optimizers.values() for g in opt.param_groups]
+    assert len(groups) == 2 and all(g["betas"] == (0.9, 0.999) for g in groups)
+    assert all(g["betas"] == (0.9, 0.99) for opt in _method(_scene()).optimizers.values() for g in opt.param_groups)
+    for bad in (0.0, 1.0):
+        with pytest.raises(ValueError, match="adam_beta2"):
+            NerfParams(adam_beta2=bad)
+
+
 def test_table_adam_steps_only_entries_with_a_gradient():
     torch.manual_seed(0)
     table = torch.nn.Parameter(torch.randn(6, 4))

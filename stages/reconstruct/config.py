@@ -55,6 +55,9 @@ class NerfParams:
     lr_decay_every: int = 10000
     lr_decay_base: float = 0.33
     weight_decay: float = 1e-6  # L2 on the MLP weights (instant-ngp's l2_reg), none on the table
+    # Adam's second-moment decay for the table and the MLPs: instant-ngp's 0.99 (torch's default, which
+    # nerfacc's instant-ngp example keeps, is 0.999)
+    adam_beta2: float = 0.99
     # the hash table's optimiser: "adam" (torch's, every entry every step) or "sparse" (tiny-cuda-nn's:
     # entries with a zero gradient are not stepped; nerf/optim.py TableAdam)
     table_optimizer: Literal["adam", "sparse"] = "adam"
@@ -137,6 +140,7 @@ class NerfParams:
         check(self.lr_decay_start >= 0, "lr_decay_start", "must be >= 0", self.lr_decay_start)
         check(self.lr_decay_every >= 1, "lr_decay_every", "must be >= 1", self.lr_decay_every)
         check(0 < self.lr_decay_base <= 1, "lr_decay_base", "must be in (0, 1]", self.lr_decay_base)
+        check(0 < self.adam_beta2 < 1, "adam_beta2", "must be in (0, 1)", self.adam_beta2)
         check(self.weight_decay >= 0, "weight_decay", "must be >= 0", self.weight_decay)
         check(0 <= self.ema_decay < 1, "ema_decay", "must be in [0, 1)", self.ema_decay)
         check(self.target_samples == 0 or self.target_samples >= 1024, "target_samples",

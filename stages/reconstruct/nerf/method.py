@@ -93,7 +93,7 @@ class NerfMethod:
         self.max_steps = self.cfg.samples_per_ray * (3 if self.field.contract else 1)
 
     def _build_optimizers(self, steps: int, device: torch.device) -> None:
-        """instant-ngp: Adam(0.9, 0.99, eps=1e-15); weight decay on the MLPs only. One Adam with two
+        """instant-ngp: Adam(0.9, ``adam_beta2`` 0.99, eps=1e-15); weight decay on the MLPs only. One Adam with two
         groups ("field"), or with ``table_optimizer: sparse`` the MLPs' Adam ("field") and the
         table's :class:`TableAdam` ("table"); each with the ``lr_schedule``."""
         cfg = self.cfg
@@ -104,14 +104,14 @@ class NerfMethod:
         if cfg.table_optimizer == "adam":
             groups.insert(0, {"params": enc, "weight_decay": 0.0})
         self.optimizer = torch.optim.Adam(
-            groups, lr=cfg.lr, betas=(0.9, 0.99), eps=1e-15,
+            groups, lr=cfg.lr, betas=(0.9, cfg.adam_beta2), eps=1e-15,
             # one fused kernel on the GPU: the multi-tensor Adam was ~8 % of a step's GPU time
             # (profile of 8192-ray steps on an H200, RAYFORGE_PROFILE); the CPU keeps the default
             fused=device.type == "cuda",
         )
         self.optimizers = {"field": self.optimizer}
         if cfg.table_optimizer == "sparse":
-            self.optimizers["table"] = TableAdam(enc, lr=cfg.lr, betas=(0.9, 0.99), eps=1e-15,
+            self.optimizers["table"] = TableAdam(enc, lr=cfg.lr, betas=(0.9, cfg.adam_beta2), eps=1e-15,
                                                  use_kernels=self.use_kernels)
         self.schedulers = {name: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg, steps))
                            for name, opt in self.optimizers.items()}
