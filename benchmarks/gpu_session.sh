@@ -8,6 +8,9 @@
 # 2026-12-06 session 5: no part ran; bench_nerf_peer.py (nerfacc's ngp example beside ours on lego) and two lego
 # levers at 46 s ran ad hoc on one H100 (README). Next: as (the peer at 5k / 10k / 20k steps, ours beside each),
 # at (the levers the peer points at), then ar (finest 2048 with contraction on fern, fox seed 1), ah (lego at 30k).
+# 2026-12-07 session 6: au (the peer's scoring failed; the fitted schedule), av (one warm H100 with au), aw (the peer
+# 34.67 dB at 36.1 s, ours 33.99; beta2 0.999 lost; another H100) ran; ax did not (device time spent on refused
+# starts). Next: ax, then as / at if still wanted, ar, ah.
 # Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
 # on fox; lego 3DGS at 30k beside gsplat); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
 # earlier parts are the commands the results JSONs cite.
