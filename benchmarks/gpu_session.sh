@@ -505,8 +505,9 @@ ay)
   # 4096 x 4.03 / 3 and occupancy 128 x 4.03 / 3 for its cell sizes, march step 5e-3: 1400 steps across the
   # diagonal), its schedule (x0.33 at 2500, 3500, 4500; its own: 2500, 3750, 4500), dense Adam with beta2
   # 0.999, no weight decay, white background, no weight average, culling (its batch: 2^18 kept samples);
-  # then the same in the hull box with the finest level auto; then our profile at 5000 steps with culling. Budgets past the end: the
-  # final models are scored, with their times
+  # then the same in the hull box with the finest level auto; then our profile at 5000 steps with culling;
+  # then the first with tiny-cuda-nn's MLP layers (mlp_init tcnn). Budgets past the end: the final models
+  # are scored, with their times
   P="--set steps=5000 --set nerf.lr_schedule=ngp --set nerf.lr_decay_start=2500 --set nerf.lr_decay_every=1000"
   P="$P --set nerf.table_optimizer=adam --set nerf.adam_beta2=0.999 --set nerf.weight_decay=0"
   P="$P --set nerf.random_background=off --set nerf.ema_decay=0 --set nerf.cull_occluded=true"
@@ -515,6 +516,8 @@ ay)
     --set nerf.max_resolution=5500 --set nerf.occ_resolution=172
   nq lego_peerlike_hull_5k 90 --poses lego=$D/lego --budgets 80 $P
   nq lego_cull_5k 90 --poses lego=$D/lego --budgets 80 --set steps=5000 --set nerf.cull_occluded=true
+  nq lego_peerlike_tcnn_5k 90 --poses lego=$D/lego --budgets 80 $P --set nerf.alpha_box=off \
+    --set nerf.max_resolution=5500 --set nerf.occ_resolution=172 --set nerf.mlp_init=tcnn
   ;;
 *) echo "gpu_session: part must be one of a-z, aa-ay" >&2; exit 2 ;;
 esac

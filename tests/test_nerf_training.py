@@ -301,6 +301,31 @@ def test_a_model_of_another_method_or_config_is_named():
     bigger = _method(log2_hashmap_size=11)
     with pytest.raises(ValueError, match="log2_hashmap_size.*encoding.table"):
         m.load_state_dict(bigger.state_dict())
+    with pytest.raises(ValueError, match=r"density_mlp.0.bias: in the saved model, not in this config \(mlp_init 'tcnn'"):
+        _method(mlp_init="tcnn").load_state_dict(m.state_dict())
+
+
+def test_tcnn_mlp_init_has_no_biases_and_glorot_weights_and_trains():
+    """``mlp_init: tcnn``: tiny-cuda-nn's fully fused MLP layers (no biases, weights uniform within
+    sqrt(6 / (fan_in + fan_out))); a model of it saves, loads and trains."""
+    scene = _scene()
+    m = _method(scene, mlp_init="tcnn")
+    layers = [x for net in (m.field.density_mlp, m.field.color_mlp) for x in net if isinstance(x, torch.nn.Linear)]
+    assert len(layers) == 5 and all(x.bias is None for x in layers)
+    for x in layers:
+        bound = math.sqrt(6 / (x.in_features + x.out_features))
+        w = x.weight.detach().abs()
+        assert w.max() <= bound and w.max() > 0.8 * bound  # the whole range used, not torch's narrower one
+    assert all(x.bias is not None for x in _method(scene).field.density_mlp if isinstance(x, torch.nn.Linear))
+    before = [x.weight.detach().clone() for x in layers]
+    losses = _train(m, scene, 30)
+    assert all(math.isfinite(v) for v in losses) and sum(losses[-5:]) < sum(losses[:5])
+    assert all(not torch.equal(b, x.weight) for b, x in zip(before, layers))
+    again = _method(scene, mlp_init="tcnn")
+    again.load_state_dict(m.state_dict())
+    assert torch.equal(again.field.color_mlp[-1].weight, layers[-1].weight)
+    with pytest.raises(ValueError, match="mlp_init"):
+        NerfParams(mlp_init="xavier")
 
 
 def test_a_non_finite_batch_is_skipped_and_counted_by_the_loop(tmp_path):

@@ -28,6 +28,10 @@ class NerfParams:
     max_resolution: int | Literal["auto"] = 2048
     hidden_dim: int = 64
     geo_feat_dim: int = 15
+    # The MLPs' layers: "torch" (nn.Linear: biases, Kaiming-uniform weights), or "tcnn" as tiny-cuda-nn's
+    # fully fused MLP has them (what instant-ngp and nerfacc's example train): no biases, weights uniform
+    # in +-sqrt(6 / (fan_in + fan_out))
+    mlp_init: Literal["torch", "tcnn"] = "torch"
     samples_per_ray: int = 128
     occ_resolution: int = 64
     occ_update_every: int = 16
@@ -127,6 +131,7 @@ class NerfParams:
         check(self.max_resolution == "auto" or self.max_resolution >= self.base_resolution, "max_resolution",
               "must be auto or >= base_resolution", self.max_resolution)
         check(self.hidden_dim >= 8, "hidden_dim", "must be >= 8", self.hidden_dim)
+        check(self.mlp_init in ("torch", "tcnn"), "mlp_init", "must be 'torch' or 'tcnn'", self.mlp_init)
         check(self.geo_feat_dim >= 1, "geo_feat_dim", "must be >= 1", self.geo_feat_dim)
         check(8 <= self.samples_per_ray <= 4096, "samples_per_ray", "must be in 8..4096", self.samples_per_ray)
         check(8 <= self.occ_resolution <= 512, "occ_resolution", "must be in 8..512", self.occ_resolution)

@@ -135,15 +135,23 @@ class NerfField(nn.Module):
         )
         h = cfg.hidden_dim
         self.geo_feat_dim = cfg.geo_feat_dim
+        tcnn = cfg.mlp_init == "tcnn"
+
+        def linear(n_in: int, n_out: int) -> nn.Linear:
+            layer = nn.Linear(n_in, n_out, bias=not tcnn)
+            if tcnn:
+                nn.init.xavier_uniform_(layer.weight)
+            return layer
+
         self.density_mlp = nn.Sequential(
-            nn.Linear(self.encoding.output_dim, h), nn.ReLU(inplace=True), nn.Linear(h, 1 + cfg.geo_feat_dim)
+            linear(self.encoding.output_dim, h), nn.ReLU(inplace=True), linear(h, 1 + cfg.geo_feat_dim)
         )
         self.color_mlp = nn.Sequential(
-            nn.Linear(cfg.geo_feat_dim + 16 + cfg.appearance_dim, h),
+            linear(cfg.geo_feat_dim + 16 + cfg.appearance_dim, h),
             nn.ReLU(inplace=True),
-            nn.Linear(h, h),
+            linear(h, h),
             nn.ReLU(inplace=True),
-            nn.Linear(h, 3),
+            linear(h, 3),
         )
         # Learned background colour for rays that leave the box unoccluded, unless the images were
         # composited on a known one (fixed_background >= 0, set by the method; saved with the model).

@@ -382,12 +382,17 @@ class NerfMethod:
         wrong = [f"{k}: saved {tuple(v.shape)}, this config {tuple(mine[k].shape)}"
                  for k, v in saved.items() if k in mine and tuple(v.shape) != tuple(mine[k].shape)
                  and not (k == "field.appearance.weight" and v.shape[1:] == mine[k].shape[1:])]
+        optional = {"field.appearance.weight", "field.fixed_background"}  # told apart below, or older models'
+        wrong += [f"{k}: in the saved model, not in this config (mlp_init {self.cfg.mlp_init!r}?)"
+                  for k in saved if k not in mine and k not in optional]
+        wrong += [f"{k}: in this config, not in the saved model (mlp_init {self.cfg.mlp_init!r}?)"
+                  for k in mine if k not in saved and k not in optional]
         if ("field.appearance.weight" in saved) != ("field.appearance.weight" in mine):
             wrong.append(f"field.appearance.weight: saved {'with' if 'field.appearance.weight' in saved else 'without'} "
                          f"appearance codes, this config appearance_dim {self.cfg.appearance_dim}")
         if wrong:
             raise ValueError("the NeRF state does not fit reconstruct.nerf's sizes (a model of another config: "
-                             "levels, log2_hashmap_size, hidden_dim, occ_resolution, ...): " + "; ".join(wrong))
+                             "levels, log2_hashmap_size, hidden_dim, mlp_init, occ_resolution, ...): " + "; ".join(wrong))
         field = dict(state["field"])
         field.setdefault("fixed_background", torch.full((3,), -1.0))  # models saved before it existed
         codes = field.get("appearance.weight")
