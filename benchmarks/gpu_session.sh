@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. at; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. az; default a; each about 10 min)
 # 2026-12-06: ad, ae, af ran (one warm H100), then fern at 30k alone (the README's issue-16 table).
 # 2026-12-06 session 2: ag (the SH pair's GPU tests passed; NeRF levers), ai, aj, ak, al ran (one warm H100).
 # 2026-12-06 session 3: am (supersample: GPU tests passed, lost on lego, reverted again) and an ran (one warm H100).
@@ -10,7 +10,8 @@
 # at (the levers the peer points at), then ar (finest 2048 with contraction on fern, fox seed 1), ah (lego at 30k).
 # 2026-12-07 session 6: au (the peer's scoring failed; the fitted schedule), av (one warm H100 with au), aw (the peer
 # 34.67 dB at 36.1 s, ours 33.99; beta2 0.999 lost; another H100) ran; ax did not (device time spent on refused
-# starts). Next: ax, then as / at if still wanted, ar, ah.
+# starts). Next: ax (mlp_init tcnn and culling over 15-60 s), ay (ours with the peer's settings at its 5000
+# steps), az (more of the peer's settings), then ar, ah.
 # Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
 # on fox; lego 3DGS at 30k beside gsplat); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
 # earlier parts are the commands the results JSONs cite.
@@ -483,21 +484,36 @@ aw)
   nq lego_b999_r2048 75 --poses lego=$D/lego --budgets 46 --set nerf.adam_beta2=0.999 --set nerf.max_resolution=2048
   ;;
 ax)
-  # issue 17, after aw (beta2 0.999 lost; the peer 34.67 dB at 36.1 s, ours 33.99). Culling (it gained twice at
-  # 46 s) over 15-60 s, for the profile; then, with culling, at 46 s: no weight decay (the peer's Adam adds its
-  # 1e-6 to gradients scaled by its GradScaler's 2^10, which it never unscales: in effect ~1e-9; ours is 1e-6
-  # on unscaled ones, and 1e-4 cost 2.5 dB); the peer's step-shaped schedule (lr 1e-2 for half the run, then
+  # issue 17, first next session: tiny-cuda-nn's MLP layers (nerf.mlp_init tcnn: no biases, Glorot-uniform
+  # weights; on the CPU profile +1.15 dB, 27.31 against 26.16, 2026-12-07) and culling (it gained twice at 46 s),
+  # each over 15-60 s beside the profile as it is, on one machine; then both with the peer's march step
+  # (5e-3: samples_per_ray 1400 across the poses out's diagonal, ours 6.8e-3; culled, ours kept 5.2 samples
+  # a ray at 50,560 rays a step, the peer 7.4 at 35,600; ours drew 6.3 M rays/s, the peer at most 4.9 M/s,
+  # and scored less)
+  B="--poses lego=$D/lego --budgets 15,30,46,60"
+  C="--set nerf.cull_occluded=true"
+  T="--set nerf.mlp_init=tcnn"
+  nq lego_base 95 $B
+  nq lego_tcnn 95 $B $T
+  nq lego_cull 95 $B $C
+  nq lego_cull_tcnn 95 $B $C $T
+  nq lego_cull_tcnn_spr1400 95 $B $C $T --set nerf.samples_per_ray=1400
+  ;;
+az)
+  # issue 17, after ax and ay: with culling, at 46 s: no weight decay (the peer's Adam adds its 1e-6 to
+  # gradients scaled by its GradScaler's 2^10, which it never unscales: in effect ~1e-9; ours is 1e-6 on
+  # unscaled ones, and 1e-4 cost 2.5 dB); the peer's step-shaped schedule (lr 1e-2 for half the run, then
   # x0.33 at 1/2, 7/10 and 9/10: ngp schedule from step 4000 every 1600 for the ~8000 culled steps in 46 s);
-  # the peer's whole recipe (that schedule, dense Adam, beta2 0.999, finest 4096, no decay); constant lr
+  # the peer's whole recipe (that schedule, dense Adam, beta2 0.999, finest 4096, no decay); constant lr.
+  # Add --set nerf.mlp_init=tcnn to C if ax shows it gains on the GPU
   S="--set nerf.lr_schedule=ngp --set nerf.lr_decay_start=4000 --set nerf.lr_decay_every=1600"
   C="--set nerf.cull_occluded=true"
-  nq lego_cull 95 --poses lego=$D/lego --budgets 15,30,46,60 $C
   nq lego_cull_wd0 95 --poses lego=$D/lego --budgets 15,30,46,60 $C --set nerf.weight_decay=0
   nq lego_stepsched_cull 65 --poses lego=$D/lego --budgets 46 $S $C
   nq lego_peer_recipe 65 --poses lego=$D/lego --budgets 46 $S $C --set nerf.table_optimizer=adam \
     --set nerf.adam_beta2=0.999 --set nerf.max_resolution=4096 --set nerf.weight_decay=0
   nq lego_const_cull 65 --poses lego=$D/lego --budgets 46 --set nerf.lr_schedule=ngp $C
-  nq lego_wd0 95 --poses lego=$D/lego --budgets 15,30,46,60 --set nerf.weight_decay=0
+  nq lego_cull_46 65 --poses lego=$D/lego --budgets 46 $C
   ;;
 ay)
   # issue 17: is the peer's lead its settings or its implementation? Ours at the peer's 5000 steps with every
@@ -519,6 +535,6 @@ ay)
   nq lego_peerlike_tcnn_5k 90 --poses lego=$D/lego --budgets 80 $P --set nerf.alpha_box=off \
     --set nerf.max_resolution=5500 --set nerf.occ_resolution=172 --set nerf.mlp_init=tcnn
   ;;
-*) echo "gpu_session: part must be one of a-z, aa-ay" >&2; exit 2 ;;
+*) echo "gpu_session: part must be one of a-z, aa-az" >&2; exit 2 ;;
 esac
 echo "== done"
