@@ -485,7 +485,8 @@ aw)
   ;;
 ax)
   # issue 17, first next session: tiny-cuda-nn's MLP layers (nerf.mlp_init tcnn: no biases, Glorot-uniform
-  # weights; on the CPU profile +1.15 dB, 27.31 against 26.16, 2026-12-07) and culling (it gained twice at 46 s),
+  # weights; on the CPU profile 27.31 / 23.99 dB against 26.16 / 24.24 with seeds 0 / 1, SSIM higher with
+  # both, one EPYC machine, 2026-12-07: not conclusive there) and culling (it gained twice at 46 s),
   # each over 15-60 s beside the profile as it is, on one machine; then both with the peer's march step
   # (5e-3: samples_per_ray 1400 across the poses out's diagonal, ours 6.8e-3; culled, ours kept 5.2 samples
   # a ray at 50,560 rays a step, the peer 7.4 at 35,600; ours drew 6.3 M rays/s, the peer at most 4.9 M/s,
