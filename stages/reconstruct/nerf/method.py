@@ -93,9 +93,9 @@ class NerfMethod:
         self.max_steps = self.cfg.samples_per_ray * (3 if self.field.contract else 1)
 
     def _build_optimizers(self, steps: int, device: torch.device) -> None:
-        """instant-ngp: Adam(0.9, ``adam_beta2`` 0.99, eps=1e-15); weight decay on the MLPs only. One Adam with two
-        groups ("field"), or with ``table_optimizer: sparse`` the MLPs' Adam ("field") and the
-        table's :class:`TableAdam` ("table"); each with the ``lr_schedule``."""
+        """instant-ngp: Adam(0.9, 0.99, eps=1e-15), β2 ``adam_beta2``; weight decay on the MLPs only. One
+        Adam with two groups ("field"), or with ``table_optimizer: sparse`` the MLPs' Adam ("field") and
+        the table's :class:`TableAdam` ("table"); each with the ``lr_schedule``."""
         cfg = self.cfg
         enc = list(self.field.encoding.parameters())
         enc_ids = {id(p) for p in enc}
@@ -383,9 +383,13 @@ class NerfMethod:
                  for k, v in saved.items() if k in mine and tuple(v.shape) != tuple(mine[k].shape)
                  and not (k == "field.appearance.weight" and v.shape[1:] == mine[k].shape[1:])]
         optional = {"field.appearance.weight", "field.fixed_background"}  # told apart below, or older models'
-        wrong += [f"{k}: in the saved model, not in this config (mlp_init {self.cfg.mlp_init!r}?)"
+
+        def why(k: str) -> str:
+            return f" (mlp_init {self.cfg.mlp_init!r}?)" if "_mlp." in k else ""
+
+        wrong += [f"{k}: in the saved model, not in this config{why(k)}"
                   for k in saved if k not in mine and k not in optional]
-        wrong += [f"{k}: in this config, not in the saved model (mlp_init {self.cfg.mlp_init!r}?)"
+        wrong += [f"{k}: in this config, not in the saved model{why(k)}"
                   for k in mine if k not in saved and k not in optional]
         if ("field.appearance.weight" in saved) != ("field.appearance.weight" in mine):
             wrong.append(f"field.appearance.weight: saved {'with' if 'field.appearance.weight' in saved else 'without'} "
