@@ -529,11 +529,11 @@ ay)
   P="$P --set nerf.table_optimizer=adam --set nerf.adam_beta2=0.999 --set nerf.weight_decay=0"
   P="$P --set nerf.random_background=off --set nerf.ema_decay=0 --set nerf.cull_occluded=true"
   P="$P --set nerf.samples_per_ray=1400"  # the step divides the poses out's box diagonal, hull or not
-  nq lego_peerlike_5k 90 --poses lego=$D/lego --budgets 80 $P --set nerf.alpha_box=off \
+  nq lego_peerlike_5k 140 --poses lego=$D/lego --budgets 120 $P --set nerf.alpha_box=off \
     --set nerf.max_resolution=5500 --set nerf.occ_resolution=172
-  nq lego_peerlike_hull_5k 90 --poses lego=$D/lego --budgets 80 $P
-  nq lego_cull_5k 90 --poses lego=$D/lego --budgets 80 --set steps=5000 --set nerf.cull_occluded=true
-  nq lego_peerlike_tcnn_5k 90 --poses lego=$D/lego --budgets 80 $P --set nerf.alpha_box=off \
+  nq lego_peerlike_hull_5k 140 --poses lego=$D/lego --budgets 120 $P
+  nq lego_cull_5k 140 --poses lego=$D/lego --budgets 120 --set steps=5000 --set nerf.cull_occluded=true
+  nq lego_peerlike_tcnn_5k 140 --poses lego=$D/lego --budgets 120 $P --set nerf.alpha_box=off \
     --set nerf.max_resolution=5500 --set nerf.occ_resolution=172 --set nerf.mlp_init=tcnn
   ;;
 *) echo "gpu_session: part must be one of a-z, aa-az" >&2; exit 2 ;;
