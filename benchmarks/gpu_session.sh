@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. az; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. as, au .. az; default a; each about 10 min)
 # 2026-12-06: ad, ae, af ran (one warm H100), then fern at 30k alone (the README's issue-16 table).
 # 2026-12-06 session 2: ag (the SH pair's GPU tests passed; NeRF levers), ai, aj, ak, al ran (one warm H100).
 # 2026-12-06 session 3: am (supersample: GPU tests passed, lost on lego, reverted again) and an ran (one warm H100).
 # 2026-12-06 session 4: ao, ap, aq ran (one warm H100; the finest level: max_resolution auto), then fox at finest 2048.
 # 2026-12-06 session 5: no part ran; bench_nerf_peer.py (nerfacc's ngp example beside ours on lego) and two lego
-# levers at 46 s ran ad hoc on one H100 (README). Next: as (the peer at 5k / 10k / 20k steps, ours beside each),
-# at (the levers the peer points at), then ar (finest 2048 with contraction on fern, fox seed 1), ah (lego at 30k).
+# levers at 46 s ran ad hoc on one H100 (README). Next then: as (the peer at 5k / 10k / 20k steps, ours beside
+# each), at (the levers the peer points at; never ran, dropped on 2026-12-07 for ax and az), ar, ah.
 # 2026-12-07 session 6: au (the peer's scoring failed; the fitted schedule), av (one warm H100 with au), aw (the peer
 # 34.67 dB at 36.1 s, ours 33.99; beta2 0.999 lost; another H100) ran; ax did not (device time spent on refused
 # starts). Next: ax (mlp_init tcnn and culling over 15-60 s), ay (ours with the peer's settings at its 5000
@@ -447,14 +447,6 @@ as)
   step peer 470 python3 benchmarks/bench_nerf_peer.py --peer .gpu/peer --poses $D/lego --steps 5000,10000,20000 \
     --wheel-out "$OUT" --log-dir "$OUT/peer" --json "$OUT/peer.json"
   ;;
-at)
-  # issue 17, after as: the levers the peer points at, on lego at the peer's times (set BUDGETS to them;
-  # default: session 5's 46 s and the 10k / 20k times guessed from its 109 steps/s), one run each
-  B=${BUDGETS:-46,92,184}
-  nq lego_cull 200 --poses lego=$D/lego --budgets $B --set nerf.cull_occluded=true --set steps=50000
-  nq lego_dense_adam 200 --poses lego=$D/lego --budgets $B --set nerf.table_optimizer=adam --set steps=50000
-  nq lego_base_long 200 --poses lego=$D/lego --budgets $B --set steps=50000
-  ;;
 au)
   # issue 17, session 6 (first): the peer at 5k and 10k steps (46 s and ~92 s, bracketing the 60 s target) with
   # our 25k-step profile snapshotted at its times; then ours with the learning-rate schedule fitted to 46 s
@@ -536,6 +528,6 @@ ay)
   nq lego_peerlike_tcnn_5k 140 --poses lego=$D/lego --budgets 120 $P --set nerf.alpha_box=off \
     --set nerf.max_resolution=5500 --set nerf.occ_resolution=172 --set nerf.mlp_init=tcnn
   ;;
-*) echo "gpu_session: part must be one of a-z, aa-az" >&2; exit 2 ;;
+*) echo "gpu_session: part must be one of a-z, aa-as, au-az" >&2; exit 2 ;;
 esac
 echo "== done"
