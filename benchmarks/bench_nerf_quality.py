@@ -62,10 +62,16 @@ BUDGETS = (15.0, 30.0, 60.0, 120.0)
 # with this (H200, 2026-12-04, finest 2048).
 GPU_NERF = {
     "levels": 16, "features_per_level": 2, "log2_hashmap_size": 19, "max_resolution": "auto",
-    "samples_per_ray": 1024, "occ_resolution": 128, "occ_warmup_steps": 256, "lr": 1e-2, "lr_schedule": "exp",
+    "samples_per_ray": 1400, "occ_resolution": 128, "occ_warmup_steps": 256, "lr": 1e-2, "lr_schedule": "exp",
     "ema_decay": 0.99, "table_optimizer": "sparse", "target_samples": 1 << 18, "mlp_precision": "tf32",
     "distortion_loss": 0.0,  # instant-ngp has none; params.yaml's CPU profile does (--set nerf.distortion_loss=...)
+    "mlp_init": "tcnn", "cull_occluded": True,
 }
+# tiny-cuda-nn's MLP layers (no biases, Glorot-uniform), culling, and the march step of nerfacc's example (5e-3 on
+# lego: 1400 across the box diagonal, was 1024), each over the profile before them on lego at 15 / 30 / 46 / 60 s
+# (one H100, one call, 2026-12-07, gpu_session.sh part ax): the profile 32.71 / 33.77 / 34.12 / 34.26 dB;
+# + tcnn layers 33.39 / 34.17 / 34.39 / 34.49; + culling 33.23 / 34.00 / 34.25 / 34.34; both 33.83 / 34.41 /
+# 34.50 / 34.50; both + 1400 steps 33.63 / 34.42 / 34.62 / 34.66. Contracted scenes: CONTRACTED_NERF
 # The weight average's decay is 0.99, not instant-ngp's 0.95 (the last ~100 steps, not ~20): on lego it
 # gained 0.42 / 0.20 / 0.03 dB at 15 / 30 / 60 s (seed 0) and 0.25 / 0.23 / 0.10 (seed 1), on fern 0.30 /
 # 0.69 / 0.62 at 30 / 60 / 120 s, on fox 0.24 / 0.12 / 0.07 (on poses from another SfM run); decays 0.98
@@ -73,8 +79,11 @@ GPU_NERF = {
 GPU_RECONSTRUCT = {"batch_rays": 8192, "steps": 25_000}
 # real captures (no alpha, no known background): the world past the box contracted into a shell around it;
 # the box then takes the middle half of the hash grid per axis, so the finest level doubles, and the march
-# step is that of instant-ngp's 512 steps across the box
-CONTRACTED_NERF = {"scene_contraction": "mipnerf360", "max_resolution": 4096, "samples_per_ray": 512}
+# step is that of instant-ngp's 512 steps across the box. No culling there: with it fox scored 31.56 / 31.73 /
+# 31.83 dB at 30 / 60 / 120 s, without 31.62 / 32.11 / 32.38; fern 27.76 / 27.83 / 27.66 with, 27.75 / 28.00 /
+# 28.07 without (one H100, 2026-12-07, gpu_session.sh part bb and two runs after it on the same machine)
+CONTRACTED_NERF = {"scene_contraction": "mipnerf360", "max_resolution": 4096, "samples_per_ray": 512,
+                   "cull_occluded": False}
 # captures that go around their subject (the widest angle between two views' axes at least this, fox: 98
 # degrees) get mip-NeRF 360's distortion loss at this weight, as mip-NeRF 360 uses it on its 360 scenes;
 # forward-facing ones (fern: 19 degrees) none: there it cost fern 3.8 dB at 0.001 and 13 dB at 0.01

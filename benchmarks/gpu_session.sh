@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. as, au .. az; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. as, au .. az, ba, bb; default a; each about 10 min)
 # 2026-12-06: ad, ae, af ran (one warm H100), then fern at 30k alone (the README's issue-16 table).
 # 2026-12-06 session 2: ag (the SH pair's GPU tests passed; NeRF levers), ai, aj, ak, al ran (one warm H100).
 # 2026-12-06 session 3: am (supersample: GPU tests passed, lost on lego, reverted again) and an ran (one warm H100).
@@ -528,6 +528,21 @@ ay)
   nq lego_peerlike_tcnn_5k 140 --poses lego=$D/lego --budgets 120 $P --set nerf.alpha_box=off \
     --set nerf.max_resolution=5500 --set nerf.occ_resolution=172 --set nerf.mlp_init=tcnn
   ;;
-*) echo "gpu_session: part must be one of a-z, aa-as, au-az" >&2; exit 2 ;;
+ba)
+  # issue 17, session 7, after ax (GPU_NERF now has mlp_init tcnn, culling and 1400 steps a ray): the peer at 5k
+  # steps with ours beside it on one machine; ours on lego at the budgets of the targets; the GPU tests.
+  # Carry .gpu/peer and .gpu/data/lego
+  step peer 300 python3 benchmarks/bench_nerf_peer.py --peer .gpu/peer --poses $D/lego --steps 5000 \
+    --log-dir "$OUT/peer" --json "$OUT/peer.json"
+  nq lego 100 --poses lego=$D/lego --budgets 15,30,46,60
+  step gpu_tests 150 python3 -m pytest -q -m gpu tests
+  ;;
+bb)
+  # issue 17, after ba: fox and fern on the new GPU_NERF (contracted: their 512 steps a ray stay). Carry
+  # .gpu/data/fox and .gpu/data/fern
+  nq fox 190 --poses fox=$D/fox --budgets 30,60,120
+  nq fern 190 --poses fern=$D/fern --budgets 30,60,120
+  ;;
+*) echo "gpu_session: part must be one of a-z, aa-as, au-az, ba, bb" >&2; exit 2 ;;
 esac
 echo "== done"

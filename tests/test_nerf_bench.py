@@ -45,6 +45,8 @@ def test_budgets_snapshot_one_run_and_evaluate_each(tmp_path, capsys):
     # distortion loss exactly when its cameras go around the scene (this ring of 4 views does)
     assert nerf["nerf"]["target_samples"] == 2048 and nerf["nerf"]["lr_schedule"] == "exp"
     assert nerf["nerf"]["scene_contraction"] == "mipnerf360" and nerf["params"]["steps"] == 25_000
+    # tiny-cuda-nn's layers everywhere; no culling on real captures (it cost fox and fern on the GPU)
+    assert nerf["nerf"]["mlp_init"] == "tcnn" and nerf["nerf"]["cull_occluded"] is False
     from stages.reconstruct.data import load_scene
     from stages.reconstruct.nerf.method import viewing_spread_deg
 
@@ -107,3 +109,24 @@ def test_nerf_and_3dgs_on_different_poses_are_not_judged_against_each_other():
     apart = dict(bench.targets([run("nerf", "a" * 32, 31.0), run("3dgs", "b" * 32, 31.5)]))
     assert apart["fox within 1 dB of 3DGS at 120 s"] == "n/a (NeRF 31.00 dB, 3DGS 31.50 dB, on different poses)"
 
+
+
+def test_object_captures_cull_and_march_finer_than_real_ones():
+    """The GPU profile per capture kind: an object with alpha (lego) keeps the box, culls occluded samples and
+    marches 1400 steps across it; a real capture is contracted, marches 512 and does not cull; --set wins."""
+    import types
+
+    import torch
+
+    bench = _bench()
+
+    def scene(channels, background):
+        ring = torch.eye(4).repeat(4, 1, 1)
+        return types.SimpleNamespace(background=background, train=types.SimpleNamespace(channels=channels, c2w=ring))
+
+    obj = bench.make_params("nerf", scene(4, None), "auto", [], torch.device("cpu")).nerf
+    assert (obj.cull_occluded, obj.samples_per_ray, obj.mlp_init, obj.scene_contraction) == (True, 1400, "tcnn", "none")
+    real = bench.make_params("nerf", scene(3, None), "auto", [], torch.device("cpu")).nerf
+    assert (real.cull_occluded, real.samples_per_ray, real.mlp_init, real.scene_contraction) == (False, 512, "tcnn", "mipnerf360")
+    forced = bench.make_params("nerf", scene(3, None), "auto", ["nerf.cull_occluded=true"], torch.device("cpu")).nerf
+    assert forced.cull_occluded is True
