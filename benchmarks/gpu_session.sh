@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. as, au .. az, ba, bb; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. as, au .. az, ba .. bd; default a; each about 10 min)
 # 2026-12-06: ad, ae, af ran (one warm H100), then fern at 30k alone (the README's issue-16 table).
 # 2026-12-06 session 2: ag (the SH pair's GPU tests passed; NeRF levers), ai, aj, ak, al ran (one warm H100).
 # 2026-12-06 session 3: am (supersample: GPU tests passed, lost on lego, reverted again) and an ran (one warm H100).
@@ -12,6 +12,9 @@
 # 34.67 dB at 36.1 s, ours 33.99; beta2 0.999 lost; another H100) ran; ax did not (device time spent on refused
 # starts). Next: ax (mlp_init tcnn and culling over 15-60 s), ay (ours with the peer's settings at its 5000
 # steps), az (more of the peer's settings), then ar, ah.
+# 2026-12-07 session 7: ax, ay, ba, bb ran (one H100; GPU_NERF took tcnn layers, culling and 1400 steps a ray for
+# lego, the peer 0.05 dB ahead in ba), then fern and fox without culling on it (CONTRACTED_NERF's since). Next: bc
+# (fern's 3DGS on today's poses), bd (the peer at 10k, seeds, 2^19 samples); az is unlikely to gain (README).
 # Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
 # on fox; lego 3DGS at 30k beside gsplat); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
 # earlier parts are the commands the results JSONs cite.
@@ -543,6 +546,21 @@ bb)
   nq fox 190 --poses fox=$D/fox --budgets 30,60,120
   nq fern 190 --poses fern=$D/fern --budgets 30,60,120
   ;;
-*) echo "gpu_session: part must be one of a-z, aa-as, au-az, ba, bb" >&2; exit 2 ;;
+bc)
+  # issue 17, next session (first): fern's NeRF and 3DGS in one run on today's fern poses (a957fed5; the 3DGS run
+  # in nerf_quality_H100.json trained on an earlier SfM run's, so fern's target reads n/a). Carry .gpu/data/fern
+  nq fern_pair 340 --poses fern=$D/fern --budgets 30,60,120 --method 3dgs
+  nq fern_seed1 150 --poses fern=$D/fern --budgets 30,60,120 --seed 1
+  ;;
+bd)
+  # issue 17, after bc: the peer at 10k steps (its schedule ends near 70 s here), ours beside it; the profile at
+  # seed 1 (the ax/ba pair agreed within 0.04 dB, seeds moved the old profile up to 0.23 dB); 2^19 kept samples a
+  # step (culled rays are cheap: 5 kept samples each). Carry .gpu/peer and .gpu/data/lego
+  step peer 330 python3 benchmarks/bench_nerf_peer.py --peer .gpu/peer --poses $D/lego --steps 10000 \
+    --log-dir "$OUT/peer" --json "$OUT/peer.json"
+  nq lego_seed1 100 --poses lego=$D/lego --budgets 15,30,46,60 --seed 1
+  nq lego_s19 100 --poses lego=$D/lego --budgets 15,30,46,60 --set nerf.target_samples=524288
+  ;;
+*) echo "gpu_session: part must be one of a-z, aa-as, au-az, ba-bd" >&2; exit 2 ;;
 esac
 echo "== done"
