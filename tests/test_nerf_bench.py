@@ -110,10 +110,9 @@ def test_nerf_and_3dgs_on_different_poses_are_not_judged_against_each_other():
     assert apart["fox within 1 dB of 3DGS at 120 s"] == "n/a (NeRF 31.00 dB, 3DGS 31.50 dB, on different poses)"
 
 
-
 def test_object_captures_cull_and_march_finer_than_real_ones():
-    """The GPU profile per capture kind: an object with alpha (lego) keeps the box, culls occluded samples and
-    marches 1400 steps across it; a real capture is contracted, marches 512 and does not cull; --set wins."""
+    """The GPU profile per capture kind: an object with alpha (lego) is not contracted, culls occluded samples
+    and marches 1400 steps across its box; a real capture is contracted, marches 512 and does not cull; --set wins."""
     import types
 
     import torch
