@@ -36,6 +36,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} T
 [ -d /tmp/site/gsplat ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --target /tmp/site .whl/*.whl || echo "gpu_session: gsplat not installed: its rows will be missing" >&2
 T0=$(date +%s); LIMIT=${LIMIT:-585}; D=.gpu/data
+# Session 7 (2026-12-07) gave GPU_NERF tiny-cuda-nn's layers, culling and 1400 steps a ray; PRE_S7 sets them back
+# to the profile every part before ba ran on. ax and ay, whose runs are rows of the results JSONs, use it; the
+# older parts reproduce their rows with benchmarks/ of 32ba246
+PRE_S7="--set nerf.mlp_init=torch --set nerf.cull_occluded=false --set nerf.samples_per_ray=1024"
 step() {  # step <name> <seconds it needs> <command...>
   local name=$1 need=$2; shift 2
   local left=$(( LIMIT - ($(date +%s) - T0) ))
@@ -482,11 +486,11 @@ ax)
   # issue 17, first next session: tiny-cuda-nn's MLP layers (nerf.mlp_init tcnn: no biases, Glorot-uniform
   # weights; on the CPU profile 27.31 / 23.99 dB against 26.16 / 24.24 with seeds 0 / 1, SSIM higher with
   # both, one EPYC machine, 2026-12-07: not conclusive there) and culling (it gained twice at 46 s),
-  # each over 15-60 s beside the profile as it is, on one machine; then both with the peer's march step
+  # each over 15-60 s beside the profile as it was (PRE_S7), on one machine; then both with the peer's march step
   # (5e-3: samples_per_ray 1400 across the poses out's diagonal, ours 6.8e-3; culled, ours kept 5.2 samples
   # a ray at 50,560 rays a step, the peer 7.4 at 35,600; ours drew 6.3 M rays/s, the peer at most 4.9 M/s,
   # and scored less)
-  B="--poses lego=$D/lego --budgets 15,30,46,60"
+  B="--poses lego=$D/lego --budgets 15,30,46,60 $PRE_S7"  # the --set after it win
   C="--set nerf.cull_occluded=true"
   T="--set nerf.mlp_init=tcnn"
   nq lego_base 95 $B
@@ -501,7 +505,7 @@ az)
   # unscaled ones, and 1e-4 cost 2.5 dB); the peer's step-shaped schedule (lr 1e-2 for half the run, then
   # x0.33 at 1/2, 7/10 and 9/10: ngp schedule from step 4000 every 1600 for the ~8000 culled steps in 46 s);
   # the peer's whole recipe (that schedule, dense Adam, beta2 0.999, finest 4096, no decay); constant lr.
-  # Add --set nerf.mlp_init=tcnn to C if ax shows it gains on the GPU
+  # Since session 7 the profile has culling and tcnn layers itself (C only restates it); lego_cull_46 is the profile
   S="--set nerf.lr_schedule=ngp --set nerf.lr_decay_start=4000 --set nerf.lr_decay_every=1600"
   C="--set nerf.cull_occluded=true"
   nq lego_cull_wd0 95 --poses lego=$D/lego --budgets 15,30,46,60 $C --set nerf.weight_decay=0
@@ -524,10 +528,11 @@ ay)
   P="$P --set nerf.table_optimizer=adam --set nerf.adam_beta2=0.999 --set nerf.weight_decay=0"
   P="$P --set nerf.random_background=off --set nerf.ema_decay=0 --set nerf.cull_occluded=true"
   P="$P --set nerf.samples_per_ray=1400"  # the step divides the poses out's box diagonal, hull or not
+  P="$P --set nerf.mlp_init=torch"  # PyTorch's layers, the profile's when ay ran; the last run sets tcnn
   nq lego_peerlike_5k 140 --poses lego=$D/lego --budgets 120 $P --set nerf.alpha_box=off \
     --set nerf.max_resolution=5500 --set nerf.occ_resolution=172
   nq lego_peerlike_hull_5k 140 --poses lego=$D/lego --budgets 120 $P
-  nq lego_cull_5k 140 --poses lego=$D/lego --budgets 120 --set steps=5000 --set nerf.cull_occluded=true
+  nq lego_cull_5k 140 --poses lego=$D/lego --budgets 120 $PRE_S7 --set steps=5000 --set nerf.cull_occluded=true
   nq lego_peerlike_tcnn_5k 140 --poses lego=$D/lego --budgets 120 $P --set nerf.alpha_box=off \
     --set nerf.max_resolution=5500 --set nerf.occ_resolution=172 --set nerf.mlp_init=tcnn
   ;;
@@ -541,10 +546,11 @@ ba)
   step gpu_tests 150 python3 -m pytest -q -m gpu tests
   ;;
 bb)
-  # issue 17, after ba: fox and fern on the new GPU_NERF (contracted: their 512 steps a ray stay). Carry
-  # .gpu/data/fox and .gpu/data/fern
-  nq fox 190 --poses fox=$D/fox --budgets 30,60,120
-  nq fern 190 --poses fern=$D/fern --budgets 30,60,120
+  # issue 17, after ba: fox and fern on the new GPU_NERF with culling (contracted: their 512 steps a ray stay;
+  # culling lost there, so CONTRACTED_NERF turns it off since: this part sets it). Carry .gpu/data/fox and
+  # .gpu/data/fern
+  nq fox 190 --poses fox=$D/fox --budgets 30,60,120 --set nerf.cull_occluded=true
+  nq fern 190 --poses fern=$D/fern --budgets 30,60,120 --set nerf.cull_occluded=true
   ;;
 bc)
   # issue 17, next session (first): fern's NeRF and 3DGS in one run on today's fern poses (a957fed5; the 3DGS run
