@@ -69,6 +69,25 @@ def empty_ok(forward):
     return call
 for cls in (tcnn.Encoding, tcnn.Network, tcnn.NetworkWithInputEncoding):
     cls.forward = empty_ok(cls.forward)
+if len(sys.argv) > 6 and sys.argv[6]:  # --field ours: the example's field replaced by ours (json: its NerfParams)
+    import json
+    FIELD = json.loads(sys.argv[6])  # read now: sys.argv is the example's by the time the field is built
+    sys.path.append(sys.argv[7])  # after the examples: their own modules win
+    import radiance_fields.ngp as ngp
+    from stages.reconstruct.config import NerfParams
+    from stages.reconstruct.nerf.field import NerfField
+    class OurField(torch.nn.Module):
+        def __init__(self, aabb, **_):
+            super().__init__()
+            box = torch.as_tensor(aabb, dtype=torch.float32).reshape(2, 3).cpu()
+            self.field = NerfField(NerfParams(**FIELD), box)
+            print(f"peer runner: our field in the example: {self.field.encoding}", flush=True)
+        def query_density(self, x, return_feat=False):
+            return self.field.density(x)[:, None]
+        def forward(self, positions, directions=None):
+            sigma, rgb = self.field(positions, directions)
+            return rgb, sigma[:, None]
+    ngp.NGPRadianceField = OurField
 import datasets.nerf_synthetic as ns
 h, w = imageio.imread(sorted(glob.glob(os.path.join(root, scene, "train", "*.png")))[0]).shape[:2]
 ns.SubjectLoader.WIDTH, ns.SubjectLoader.HEIGHT = w, h
@@ -197,21 +216,27 @@ def parse_peer(text: str, steps: int) -> dict:
             "train_batch_psnr": float(last[-1][2])}
 
 
-def run_peer(peer: Path, scene: str, steps: int, log: Path) -> dict:
+def run_peer(peer: Path, scene: str, steps: int, log: Path, field: dict | None = None) -> dict:
+    """One run of the example for ``steps`` steps; ``field``: NerfParams of our field to train in its
+    place (``--field ours``), None for the example's own."""
     examples = peer / "nerfacc-examples" / "examples"
     script = examples / "train_ngp_nerf_occ.py"
     patched = Path(f"/tmp/peer_{script.stem}_{steps}.py")
     patched.write_text(patch_example(script.read_text(), steps))
     t = time.time()
     proc = subprocess.run([sys.executable, "-c", RUNNER, str(examples), str(script), str(patched),
-                           str((peer / "data").resolve()), scene], env=peer_env(), capture_output=True, text=True)
+                           str((peer / "data").resolve()), scene, json.dumps(field) if field is not None else "",
+                           str(ROOT)], env=peer_env(), capture_output=True, text=True)
     out = proc.stdout + proc.stderr
     with open(log, "a") as f:
-        f.write(f"== peer {scene} {steps} steps (rc {proc.returncode}, {time.time() - t:.0f} s wall)\n{out}\n")
+        f.write(f"== peer {scene} {steps} steps, field {field or 'its own'} (rc {proc.returncode}, "
+                f"{time.time() - t:.0f} s wall)\n{out}\n")
     if proc.returncode:
         raise SystemExit(f"bench_nerf_peer: the peer failed at {steps} steps (see {log}):\n{out[-2000:]}")
     row = parse_peer(out, steps)
     row["wall_seconds"] = round(time.time() - t, 1)
+    if field is not None:
+        row["field"] = {"ours": field}
     return row
 
 
@@ -272,6 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-steps", type=int, default=200,
                     help="an untimed first run (0: none, where this machine ran the peer before)")
     ap.add_argument("--build-only", action="store_true", help="install (or build) the peer, run nothing")
+    ap.add_argument("--field", choices=["its", "ours"], default="its",
+                    help="ours: the example trains our NerfField in place of its own (a diagnostic: with its "
+                         "sampler, occupancy grid, loss and schedule, is our field the difference?)")
+    ap.add_argument("--field-set", action="append", default=[],
+                    help="key=<yaml value> of our field's NerfParams with --field ours (repeatable)")
     ap.add_argument("--log-dir", type=Path, default=Path("."), help="build and run logs")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
@@ -308,9 +338,14 @@ def main(argv: list[str] | None = None) -> int:
             tmp.write_text(json.dumps(doc, indent=2, default=str))
             tmp.replace(args.json)
 
+    field = None
+    if args.field == "ours":
+        import yaml
+
+        field = {k: yaml.safe_load(v) for k, _, v in (kv.partition("=") for kv in args.field_set)}
     rows = []
     for steps in (int(s) for s in args.steps.split(",")):
-        rows.append(run_peer(args.peer, args.scene, steps, runs))
+        rows.append(run_peer(args.peer, args.scene, steps, runs, field))
         print(f"peer {steps} steps: {rows[-1]['psnr']:.2f} dB after {rows[-1]['train_seconds']:.1f} s", flush=True)
         write(rows, None)
     if args.poses is not None:

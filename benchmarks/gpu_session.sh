@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. as, au .. az, ba .. bd; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. as, au .. az, ba .. bh; default a; each about 10 min)
 # 2026-12-06: ad, ae, af ran (one warm H100), then fern at 30k alone (the README's issue-16 table).
 # 2026-12-06 session 2: ag (the SH pair's GPU tests passed; NeRF levers), ai, aj, ak, al ran (one warm H100).
 # 2026-12-06 session 3: am (supersample: GPU tests passed, lost on lego, reverted again) and an ran (one warm H100).
@@ -567,6 +567,58 @@ bd)
   nq lego_seed1 100 --poses lego=$D/lego --budgets 15,30,46,60 --seed 1
   nq lego_s19 100 --poses lego=$D/lego --budgets 15,30,46,60 --set nerf.target_samples=524288
   ;;
-*) echo "gpu_session: part must be one of a-z, aa-as, au-az, ba-bd" >&2; exit 2 ;;
+be|bf)
+  # issue 17: is the hash encoding why nerfacc's example learns more a step? The NeRF at 5000 steps with its grid
+  # as ours, as tiny-cuda-nn's (the peer's, fp32 and fp16; bench_nerf_swap.py), and ours with tiny-cuda-nn's
+  # half-cell offset (nerf.grid_offset 0.5), at the profile's finest level and at the peer's 4096; then the
+  # offset over 15-60 s beside the profile. be builds tiny-cuda-nn (135 s) unless .gpu/peer has its wheel (it
+  # writes one to <out>). Carry .gpu/peer and .gpu/data/lego
+  enc() {  # enc <name> <seconds> <encoding> [bench_nerf_quality args...]
+    local name=$1 need=$2 e=$3; shift 3
+    step "$name" "$need" python3 benchmarks/bench_nerf_swap.py --encoding "$e" --peer .gpu/peer --wheel-out "$DEST" \
+      -- --poses lego=$D/lego --budgets 300 --set steps=5000 --set nerf.cuda_graph=off --set nerf.table_optimizer=adam \
+      "$@" --json "$OUT/$name.json"
+  }
+  if [ "$PART" = be ]; then
+    step hashgrid_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hashgrid.py
+    enc tcnn32 260 tcnn32
+    enc ours 90 ours
+    enc ours_offset 90 ours --set nerf.grid_offset=0.5
+    enc tcnn16_4096 90 tcnn16 --set nerf.max_resolution=4096
+  else
+    enc ours_4096 90 ours --set nerf.max_resolution=4096
+    enc tcnn32_4096 90 tcnn32 --set nerf.max_resolution=4096
+    enc ours_offset_4096 90 ours --set nerf.grid_offset=0.5 --set nerf.max_resolution=4096
+    nq lego_offset 100 --poses lego=$D/lego --budgets 15,30,46,60 --set nerf.grid_offset=0.5
+    nq lego 100 --poses lego=$D/lego --budgets 15,30,46,60
+  fi
+  ;;
+bg)
+  # issue 17, after be (tiny-cuda-nn's grid in our pipeline did not learn more a step than ours): the reverse, our
+  # field (our grid, MLPs and kernels) trained by nerfacc's example with its sampler, occupancy grid, loss and
+  # schedule, beside the example as written, 5000 steps each. Carry .gpu/peer (with be's wheel) and .gpu/data/lego
+  [ -n "${SKIP_PEER:-}" ] || step peer5k 260 python3 benchmarks/bench_nerf_peer.py --peer .gpu/peer --steps 5000 --log-dir "$OUT/peer" \
+    --json "$OUT/peer5k.json"
+  for r in 4096 1024; do
+    step field5k_$r 120 python3 benchmarks/bench_nerf_peer.py --peer .gpu/peer --steps 5000 --warmup-steps 0 \
+      --field ours --field-set max_resolution=$r --field-set mlp_init=tcnn --log-dir "$OUT/field_$r" \
+      --json "$OUT/field5k_$r.json"
+  done
+  ;;
+bh)
+  # issue 17, after bg (our field trained by the peer's example scored 34.67 dB at finest 4096 and 35.26 at 1024, the
+  # example as written 34.52: the field is not what loses): our pipeline with nerfacc's occupancy grid, sampler and
+  # compositing in place of ours (bench_nerf_swap.py --renderer nerfacc), at 5000 steps, beside ours. Carry .gpu/peer
+  # and .gpu/data/lego
+  sw() {  # sw <name> <seconds> <renderer> [bench_nerf_quality args...]
+    local name=$1 need=$2 r=$3; shift 3
+    step "$name" "$need" python3 benchmarks/bench_nerf_swap.py --renderer "$r" --peer .gpu/peer -- --poses lego=$D/lego \
+      --budgets 300 --set steps=5000 --set nerf.cuda_graph=off "$@" --json "$OUT/$name.json"
+  }
+  sw nerfacc 200 nerfacc
+  sw ours 90 ours
+  sw nerfacc_white 90 nerfacc --set nerf.random_background=off
+  ;;
+*) echo "gpu_session: part must be one of a-z, aa-as, au-az, ba-bh" >&2; exit 2 ;;
 esac
 echo "== done"

@@ -23,20 +23,21 @@ def _as_int_list(resolutions: torch.Tensor | Sequence[int]) -> list[int]:
     return [int(r) for r in resolutions]
 
 
-def grid_index(corners: torch.Tensor, resolution: int, table_size: int) -> torch.Tensor:
+def grid_index(corners: torch.Tensor, resolution: int, table_size: int, offset: float = 0.0) -> torch.Tensor:
     """Table row of integer grid corners at one level.
 
     Args:
-        corners: [..., 3] int64 corners in [0, resolution].
+        corners: [..., 3] int64 corners in [0, V - 1].
         resolution: R of the level.
         table_size: T, rows of the level's table.
+        offset: the grid offset: V = R + 1 vertices per axis without one, R + 2 with one.
 
     Returns:
-        [...] int64 in [0, T): dense ``x + y (R+1) + z (R+1)^2`` when (R+1)^3 <= T, else the spatial hash
+        [...] int64 in [0, T): dense ``x + y V + z V^2`` when V^3 <= T, else the spatial hash
         ``(x * 1 ^ y * 2654435761 ^ z * 805459861) mod T`` in uint32 arithmetic.
     """
     x, y, z = corners.unbind(-1)
-    r1 = resolution + 1
+    r1 = max(resolution, 1) + (2 if offset > 0 else 1)
     if r1**3 <= table_size:
         return x + y * r1 + z * (r1 * r1)
     # Products fit in int64 (corners < 2^31, primes < 2^32); masking each to 32 bits then XOR is
@@ -46,13 +47,15 @@ def grid_index(corners: torch.Tensor, resolution: int, table_size: int) -> torch
 
 
 def hash_encode_reference(points: torch.Tensor, table: torch.Tensor,
-                          resolutions: torch.Tensor | Sequence[int]) -> torch.Tensor:
+                          resolutions: torch.Tensor | Sequence[int], offset: float = 0.0) -> torch.Tensor:
     """Multi-resolution hash encoding in plain PyTorch (the CUDA kernel's reference).
 
     Args:
         points: [N, 3] positions in [0, 1] (clamped; NaN is read as 0, like the kernel).
         table: [L, T, F] features, float16, float32 or float64.
         resolutions: [L] grid resolution per level (int tensor or list of ints).
+        offset: in [0, 1), added to every level's grid coordinate ``x * R`` (0.5: tiny-cuda-nn's
+            half-cell shift); with one, a level has R + 2 vertices per axis instead of R + 1.
 
     Returns:
         [N, L * F] level-major features (``out[:, l * F + f]``), float32 for float16/float32 tables
@@ -70,8 +73,9 @@ def hash_encode_reference(points: torch.Tensor, table: torch.Tensor,
     outs = []
     for level, r in enumerate(res):
         r = max(r, 1)
-        pos = x * r  # [N, 3]
-        cell = torch.floor(pos).clamp(max=r - 1)
+        last = r if offset > 0 else r - 1  # the last cell (vertices - 2)
+        pos = x * r + offset  # [N, 3]; + 0.0 changes no value
+        cell = torch.floor(pos).clamp(max=last)
         frac = pos - cell
         # Per axis the two corner weights (1 - frac, frac) and coordinates (cell, cell + 1), [N, 2]
         # each; the 8 corners are their outer products, laid out [N, z, y, x] so that the flat
@@ -82,7 +86,7 @@ def hash_encode_reference(points: torch.Tensor, table: torch.Tensor,
         weights = (w[:, 2, :, None, None] * wxy[:, None]).reshape(n, 8)  # (wx * wy) * wz like the kernel
         c = cell.long()[:, :, None] + torch.tensor([0, 1], device=points.device)  # [N, 3, 2]
         cx, cy, cz = c[:, 0, None, None, :], c[:, 1, None, :, None], c[:, 2, :, None, None]
-        r1 = r + 1
+        r1 = last + 2
         if r1**3 <= table_size:  # dense, as grid_index
             rows = (cx + cy * r1 + cz * (r1 * r1)).reshape(n, 8)
         else:  # the spatial hash of grid_index, one axis at a time

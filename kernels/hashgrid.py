@@ -22,7 +22,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import _driver
-from ._driver import KernelProgram, ptr, u32
+from ._driver import KernelProgram, f32, ptr, u32
 from ._reference import hash_encode_reference
 
 # Launch configuration, chosen with `benchmarks/bench_kernels.py --variants` on an H200 (2^21 random
@@ -152,6 +152,19 @@ def grid_resolutions(levels: int, base_resolution: int, max_resolution: int) -> 
     return [int(math.floor(base_resolution * growth**level * (1 + 1e-9))) for level in range(levels)]
 
 
+def check_offset(offset) -> float:
+    """``offset`` as a float in [0, 1), or ValueError naming it."""
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not 0.0 <= float(offset) < 1.0:
+        raise ValueError(f"offset must be a number in [0, 1), got {offset!r}")
+    return float(offset)
+
+
+def vertices(resolution: int, offset: float = 0.0) -> int:
+    """Vertices per axis of a level of resolution R: R + 1, or R + 2 with an offset (the grid
+    coordinate then spans [offset, R + offset], which reaches into an extra cell)."""
+    return max(int(resolution), 1) + (2 if offset > 0 else 1)
+
+
 def _check_tensor(name: str, t, ndim: int) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -228,7 +241,7 @@ def _aligned(t: torch.Tensor) -> bool:
 
 def _forward_cuda(points: torch.Tensor, table: torch.Tensor, res: torch.Tensor,
                   group: int | None = None, block: int | None = None,
-                  defines: dict | None = None) -> torch.Tensor:
+                  defines: dict | None = None, offset: float = 0.0) -> torch.Tensor:
     n = points.shape[0]
     levels, size, features = table.shape
     prog, group, fwd_names, _ = _launch_spec(features, group, defines)
@@ -239,14 +252,15 @@ def _forward_cuda(points: torch.Tensor, table: torch.Tensor, res: torch.Tensor,
     prog.launch(
         fwd_names[table.dtype], _launch_grid(n, levels, group, block), (block,),
         [(points.data_ptr(), ptr), (table.data_ptr(), ptr), (res.data_ptr(), ptr),
-         (out.data_ptr(), ptr), (n, u32), (levels, u32), (size, u32)],
+         (out.data_ptr(), ptr), (n, u32), (levels, u32), (size, u32), (offset, f32)],
         device=points.device)
     return out
 
 
 def private_plan(n: int, resolutions: Sequence[int], table_size: int, features: int,
-                 smem_bytes: int) -> tuple[int, list[tuple[int, int, int]]]:
-    """Which leading levels the backward accumulates block-privately, and their slabs.
+                 smem_bytes: int, offset: float = 0.0) -> tuple[int, list[tuple[int, int, int]]]:
+    """Which leading levels the backward accumulates block-privately, and their slabs (``offset``:
+    the grid offset, which sets the vertices per axis; see :func:`vertices`).
 
     Returns:
         (l0, slabs): levels 0..l0-1 go to ``hash_encode_bwd_private``, the rest to
@@ -259,7 +273,7 @@ def private_plan(n: int, resolutions: Sequence[int], table_size: int, features: 
     if rows_per_slab < 1:
         return 0, slabs
     for level, r in enumerate(resolutions):
-        rows = (max(int(r), 1) + 1) ** 3
+        rows = vertices(r, offset) ** 3
         if rows > table_size:  # a hashed level; resolutions ascend, so the rest are too
             break
         k = -(-rows // rows_per_slab)
@@ -311,7 +325,7 @@ def _backward_cuda(points: torch.Tensor, grad_out: torch.Tensor, res: torch.Tens
                    table_shape: torch.Size, table_dtype: torch.dtype,
                    group: int | None = None, block: int | None = None,
                    defines: dict | None = None,
-                   res_host: Sequence[int] | None = None) -> torch.Tensor:
+                   res_host: Sequence[int] | None = None, offset: float = 0.0) -> torch.Tensor:
     n = points.shape[0]
     levels, size, features = table_shape
     prog, group, _, bwd_name = _launch_spec(features, group, defines)
@@ -328,7 +342,7 @@ def _backward_cuda(points: torch.Tensor, grad_out: torch.Tensor, res: torch.Tens
     if res_host is not None and PRIVATE_SMEM_BYTES != 0:
         smem_max, sms = _smem_and_sms(points.device)
         smem = smem_max if PRIVATE_SMEM_BYTES is None else min(PRIVATE_SMEM_BYTES, smem_max)
-        l0, slabs = private_plan(n, res_host, size, features, smem)
+        l0, slabs = private_plan(n, res_host, size, features, smem, offset)
     args = [(points.data_ptr(), ptr), (grad_out.data_ptr(), ptr), (res.data_ptr(), ptr)]
     if slabs:
         # Slabs share a block only within PRIVATE_GROUP_BYTES: bigger blocks cost occupancy (levels
@@ -348,11 +362,12 @@ def _backward_cuda(points: torch.Tensor, grad_out: torch.Tensor, res: torch.Tens
         per_group = max(1, min(-(-sms // groups) * 2, -(-n // PRIVATE_BLOCK)))
         prog.launch(name, (per_group, groups), (PRIVATE_BLOCK,),
                     args + [(plan.data_ptr(), ptr), (plan.data_ptr() + 16 * len(entries), ptr),
-                            (grad.data_ptr(), ptr), (n, u32), (levels, u32), (size, u32)],
+                            (grad.data_ptr(), ptr), (n, u32), (levels, u32), (size, u32), (offset, f32)],
                     device=points.device, shared_mem=nbytes)
     if l0 < levels:
         prog.launch(bwd_name, _launch_grid(n, levels - l0, group, block), (block,),
-                    args + [(grad.data_ptr(), ptr), (n, u32), (levels, u32), (size, u32), (l0, u32)],
+                    args + [(grad.data_ptr(), ptr), (n, u32), (levels, u32), (size, u32), (l0, u32),
+                            (offset, f32)],
                     device=points.device)
     return grad if table_dtype == torch.float32 else grad.to(table_dtype)
 
@@ -361,11 +376,12 @@ class _HashEncode(torch.autograd.Function):
     """CUDA forward and backward; gradient for ``table`` only (``points`` gets None)."""
 
     @staticmethod
-    def forward(ctx, points, table, resolutions, group=None, block=None, defines=None, res_host=None):
-        out = _forward_cuda(points, table, resolutions, group, block, defines)
+    def forward(ctx, points, table, resolutions, group=None, block=None, defines=None, res_host=None,
+                offset=0.0):
+        out = _forward_cuda(points, table, resolutions, group, block, defines, offset)
         ctx.save_for_backward(points, resolutions)
         ctx.table_shape, ctx.table_dtype = table.shape, table.dtype
-        ctx.launch = (group, block, defines, res_host)
+        ctx.launch = (group, block, defines, res_host, offset)
         return out
 
     @staticmethod
@@ -378,7 +394,7 @@ class _HashEncode(torch.autograd.Function):
                                         ctx.table_dtype, *ctx.launch)
         # points: not differentiated by the kernel (NeRF sample positions need no gradient);
         # resolutions and the launch settings: not differentiable.
-        return None, grad_table, None, None, None, None, None
+        return None, grad_table, None, None, None, None, None, None
 
 
 def _use_kernels(device: torch.device, use_kernels: bool | None) -> bool:
@@ -398,12 +414,13 @@ def _use_kernels(device: torch.device, use_kernels: bool | None) -> bool:
 
 def hash_encode(points: torch.Tensor, table: torch.Tensor,
                 resolutions: torch.Tensor | Sequence[int], *,
-                use_kernels: bool | None = None) -> torch.Tensor:
+                use_kernels: bool | None = None, offset: float = 0.0) -> torch.Tensor:
     """Multi-resolution hash encoding: trilinear lookups in one hashed grid per level.
 
-    Per level l with R = resolutions[l]: ``pos = clamp(x, 0, 1) * R``, ``cell = min(floor(pos), R-1)``,
-    trilinear interpolation over the cell's 8 corners (integer corners in [0, R]) of rows
-    ``x + y (R+1) + z (R+1)^2`` when ``(R+1)^3 <= T`` (dense), else of the spatial hash
+    Per level l with R = resolutions[l]: ``pos = clamp(x, 0, 1) * R + offset``,
+    ``cell = min(floor(pos), V-2)`` with V = :func:`vertices` per axis (R+1, or R+2 with an offset),
+    trilinear interpolation over the cell's 8 corners (integer corners in [0, V-1]) of rows
+    ``x + y V + z V^2`` when ``V^3 <= T`` (dense), else of the spatial hash
     ``(x * 1 ^ y * 2654435761 ^ z * 805459861) mod T`` (uint32).
 
     Args:
@@ -413,6 +430,8 @@ def hash_encode(points: torch.Tensor, table: torch.Tensor,
         use_kernels: None picks the CUDA kernel when the tensors are on a GPU and
             :func:`kernels.available`, else the PyTorch reference; True insists on the kernel; False
             always runs the reference.
+        offset: in [0, 1), added to every level's grid coordinate; 0.5 is tiny-cuda-nn's half-cell
+            shift, which staggers the levels' vertices.
 
     Returns:
         [N, L * F] float32, level-major (``out[:, l * F + f]``). Differentiable in ``table``; the
@@ -428,19 +447,20 @@ def hash_encode(points: torch.Tensor, table: torch.Tensor,
         tensor([[ 3.5000, 40.0000]])
     """
     res, res_host = _validate(points, table, resolutions)
+    offset = check_offset(offset)
     if not _use_kernels(points.device, use_kernels):
-        return hash_encode_reference(points, table, res)
+        return hash_encode_reference(points, table, res, offset=offset)
     levels = table.shape[0]
     if points.shape[0] * levels > _MAX_ITEMS:
         chunk = _MAX_ITEMS // levels
         res_arg = list(res_host) if res_host is not None else res
-        return torch.cat([hash_encode(p, table, res_arg, use_kernels=True)
+        return torch.cat([hash_encode(p, table, res_arg, use_kernels=True, offset=offset)
                           for p in points.split(chunk)])
     if not _aligned(table):
         table = table.clone()  # a view at an odd offset; clone is differentiable, so grads still flow
     if not _aligned(points):
         points = points.clone()  # no vector loads of points, but keep every base alike
-    return _HashEncode.apply(points, table, res, None, None, None, res_host)
+    return _HashEncode.apply(points, table, res, None, None, None, res_host, offset)
 
 
 class HashGrid(torch.nn.Module):
@@ -454,6 +474,8 @@ class HashGrid(torch.nn.Module):
         max_resolution: finest; instant-ngp uses 2048 * aabb_scale.
         dtype: table dtype, float32 or float16 (output is float32 either way).
         use_kernels: None = CUDA kernel when on a GPU and kernels.available(); True/False force it.
+        offset: the grid offset of :func:`hash_encode` (0: every level's vertices include the box's
+            corners; 0.5: tiny-cuda-nn's staggered levels).
 
     Attributes:
         table: Parameter [L, T, F], initialised uniform(-1e-4, 1e-4) from the caller's torch RNG.
@@ -468,8 +490,10 @@ class HashGrid(torch.nn.Module):
 
     def __init__(self, levels: int = 16, features_per_level: int = 2, log2_hashmap_size: int = 19,
                  base_resolution: int = 16, max_resolution: int = 2048,
-                 dtype: torch.dtype = torch.float32, use_kernels: bool | None = None):
+                 dtype: torch.dtype = torch.float32, use_kernels: bool | None = None,
+                 offset: float = 0.0):
         super().__init__()
+        self.offset = check_offset(offset)
         if dtype not in _TABLE_DTYPES:
             raise ValueError(f"dtype must be torch.float32 or torch.float16, got {dtype}")
         for name, value in (("features_per_level", features_per_level),
@@ -499,7 +523,7 @@ class HashGrid(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"levels={self.levels}, features_per_level={self.features_per_level}, "
                 f"log2_hashmap_size={self.log2_hashmap_size}, resolutions="
-                f"{self.base_resolution}..{self.max_resolution}, dtype={self.table.dtype}")
+                f"{self.base_resolution}..{self.max_resolution}, dtype={self.table.dtype}, offset={self.offset}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Encode ``x`` [..., 3] in [0, 1] (cast to float32) into [..., L * F] float32."""
@@ -508,5 +532,6 @@ class HashGrid(torch.nn.Module):
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
         lead = x.shape[:-1]
         points = x.reshape(-1, 3).to(torch.float32).contiguous()
-        out = hash_encode(points, self.table, self._resolutions_host, use_kernels=self.use_kernels)
+        out = hash_encode(points, self.table, self._resolutions_host, use_kernels=self.use_kernels,
+                          offset=self.offset)
         return out.reshape(*lead, self.output_dim)

@@ -29,15 +29,17 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv(loader.CACHE_ENV, str(tmp_path_factory.getbasetemp() / "kernel-cache"))
 
 
-def naive_encode(points: torch.Tensor, table: torch.Tensor, resolutions: list[int]) -> torch.Tensor:
+def naive_encode(points: torch.Tensor, table: torch.Tensor, resolutions: list[int],
+                 offset: float = 0.0) -> torch.Tensor:
     """One point, one level, one corner at a time in Python floats and ints: the spec, written out."""
     levels, size, features = table.shape
     tab = table.double().tolist()
     out = torch.zeros(points.shape[0], levels * features, dtype=torch.float64)
     for i, p in enumerate(points.double().tolist()):
         for lvl, r in enumerate(resolutions):
-            pos = [min(max(v, 0.0), 1.0) * r for v in p]
-            cell = [min(math.floor(q), r - 1) for q in pos]
+            v1 = r + (2 if offset else 1)  # vertices per axis
+            pos = [min(max(v, 0.0), 1.0) * r + offset for v in p]
+            cell = [min(math.floor(q), v1 - 2) for q in pos]
             frac = [q - c for q, c in zip(pos, cell)]
             for dx in (0, 1):
                 for dy in (0, 1):
@@ -45,8 +47,9 @@ def naive_encode(points: torch.Tensor, table: torch.Tensor, resolutions: list[in
                         x, y, z = cell[0] + dx, cell[1] + dy, cell[2] + dz
                         w = ((frac[0] if dx else 1 - frac[0]) * (frac[1] if dy else 1 - frac[1])
                              * (frac[2] if dz else 1 - frac[2]))
-                        if (r + 1) ** 3 <= size:
-                            row = x + y * (r + 1) + z * (r + 1) ** 2
+                        assert max(x, y, z) < v1
+                        if v1 ** 3 <= size:
+                            row = x + y * v1 + z * v1 ** 2
                         else:
                             row = ((x * 1) ^ (y * 2654435761) ^ (z * 805459861)) % 2**32 % size
                         for f in range(features):
@@ -61,19 +64,21 @@ def _special_points() -> torch.Tensor:
 
 
 # T = 64: R = 2 and 3 are dense ((R+1)^3 = 27, 64: the boundary), R = 7 and 20 are hashed; T = 60
-# is not a power of two, so the hash takes the modulo path rather than the mask.
+# is not a power of two, so the hash takes the modulo path rather than the mask. With the half-cell
+# offset a level has R + 2 vertices per axis: R = 2 is dense (64 <= 64), R = 3 is hashed (125).
+@pytest.mark.parametrize("offset", [0.0, 0.5])
 @pytest.mark.parametrize("size, resolutions", [(64, [2, 3, 7, 20]), (60, [1, 3, 5, 16])])
-def test_reference_matches_naive_loop(size, resolutions):
+def test_reference_matches_naive_loop(size, resolutions, offset):
     g = torch.Generator().manual_seed(0)
     points = torch.cat([_special_points(), torch.rand(10, 3, generator=g)])
     table = torch.rand(len(resolutions), size, 3, generator=g, dtype=torch.float64) * 2 - 1
-    expected = naive_encode(points, table, resolutions)
+    expected = naive_encode(points, table, resolutions, offset)
     # float64 reference on the same arithmetic: only summation order differs (1e-12 is ~1e4 ulp).
-    got64 = hash_encode_reference(points.double(), table, resolutions)
+    got64 = hash_encode_reference(points.double(), table, resolutions, offset=offset)
     torch.testing.assert_close(got64, expected, rtol=0, atol=1e-12)
     # float32 public path: x * R rounded to float32 moves weights by <= R * 2^-24 (R <= 20 here),
     # times |feature| <= 1 summed over 8 corners -> well under 1e-5.
-    got32 = hash_encode(points, table.float(), resolutions)
+    got32 = hash_encode(points, table.float(), resolutions, offset=offset)
     assert got32.dtype == torch.float32 and got32.shape == (16, 3 * len(resolutions))
     torch.testing.assert_close(got32.double(), expected, rtol=0, atol=1e-5)
 
@@ -81,6 +86,11 @@ def test_reference_matches_naive_loop(size, resolutions):
 def test_dense_and_hashed_rows():
     corners = torch.tensor([[1, 2, 3], [4, 0, 7]])
     assert grid_index(corners, 7, 512).tolist() == [1 + 2 * 8 + 3 * 64, 4 + 7 * 64]
+    # with an offset R = 7 has 9 vertices per axis: 729 rows, dense in T = 729, hashed in 728
+    assert grid_index(corners, 7, 729, offset=0.5).tolist() == [1 + 2 * 9 + 3 * 81, 4 + 7 * 81]
+    assert grid_index(corners, 7, 728, offset=0.5).tolist() == [
+        ((1 ^ (2 * 2654435761) ^ (3 * 805459861)) & 0xFFFFFFFF) % 728,
+        ((4 ^ 0 ^ (7 * 805459861)) & 0xFFFFFFFF) % 728]
     expected = [((1 ^ (2 * 2654435761) ^ (3 * 805459861)) & 0xFFFFFFFF) % 100,
                 ((4 ^ 0 ^ (7 * 805459861)) & 0xFFFFFFFF) % 100]
     assert grid_index(corners, 7, 100).tolist() == expected
@@ -123,6 +133,29 @@ def test_invariants_constant_and_linear_tables(xyz, r):
     linear = (coords.float() / r).reshape(1, size, 3)  # feature f of corner = its coordinate f / R
     out = hash_encode(points, linear, [r])
     torch.testing.assert_close(out, points.clamp(0, 1), rtol=0, atol=1e-6)
+    # with the half-cell offset vertex k sits at (k - 0.5) / R: the same field, shifted vertices
+    v1 = r + 2
+    idx = torch.arange(v1**3)
+    coords = torch.stack([idx % v1, idx // v1 % v1, idx // v1**2], -1)
+    shifted = ((coords.float() - 0.5) / r).reshape(1, v1**3, 3)
+    out = hash_encode(points, shifted, [r], offset=0.5)
+    torch.testing.assert_close(out, points.clamp(0, 1), rtol=0, atol=1e-6)
+
+
+def test_offset_staggers_the_levels():
+    """Without an offset the box's corner is a vertex of every level (its feature alone, whatever
+    the level); with tiny-cuda-nn's half cell it sits mid-cell, between the first two vertices."""
+    table = torch.arange(2 * 64, dtype=torch.float32).reshape(2, 64, 1)  # [2, 3]: 16 and 25 <= 64 dense
+    corner = torch.zeros(1, 3)
+    assert hash_encode(corner, table, [2, 3]).tolist() == [[0.0, 64.0]]
+    # offset 0.5 at x = 0: pos 0.5 on every axis, the mean of rows x + 4 y + 16 z (R = 2, V = 4) and
+    # x + 5 y + 25 z (R = 3, V = 5, 125 > 64: hashed) over x, y, z in {0, 1}
+    got = hash_encode(corner, table, [2, 3], offset=0.5)
+    dense = sum(x + 4 * y + 16 * z for x in (0, 1) for y in (0, 1) for z in (0, 1)) / 8
+    assert got[0, 0].item() == pytest.approx(dense)
+    for bad in (-0.1, 1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="offset"):
+            hash_encode(corner, table, [2, 3], offset=bad)
 
 
 def test_grid_resolutions():
@@ -257,18 +290,19 @@ SIZES = [(1, 2**14), (3, 2**14), (255, 2**14), (256, 2**14), (257, 2**14), (1000
 @requires_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("n, size", SIZES)
-def test_kernel_forward_matches_reference(n, size, dtype):
+@pytest.mark.parametrize("offset", [0.0, 0.5])
+def test_kernel_forward_matches_reference(n, size, dtype, offset):
     points, table, res = _random_inputs(n, dtype, seed=n, size=size)
-    expected = hash_encode(points, table, res, use_kernels=False)
+    expected = hash_encode(points, table, res, use_kernels=False, offset=offset)
     for group, defines in VARIANTS:  # every thread layout and build
-        out = hashgrid._HashEncode.apply(points, table, res, group, None, defines)
+        out = hashgrid._HashEncode.apply(points, table, res, group, None, defines, None, offset)
         # The kernel picks the same cell and weights as the reference (x * R rounded by __fmul_rn,
         # the same float32 ops after it); only the 8-term sum differs (FMA chain vs product + sum):
         # |features| <= 1 and weights sum to 1, so the difference is a few ulp of 1 (< 1e-6).
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
 
-def _reordered_sum_bound(points, res, size, features, grad_out):
+def _reordered_sum_bound(points, res, size, features, grad_out, offset=0.0):
     """Per table entry: (contributions k, sum of |terms| S). Two float32 sums of the same k rounded
     terms in different orders (atomics vs PyTorch's index backward) differ by at most
     2 (k - 1) eps S (Higham, Accuracy and Stability, eq. 4.3)."""
@@ -277,13 +311,13 @@ def _reordered_sum_bound(points, res, size, features, grad_out):
     x = points.clamp(0, 1)
     bits = torch.tensor([[(c >> d) & 1 for d in range(3)] for c in range(8)], device=points.device)
     for lvl, r in enumerate(res.tolist()):
-        pos = x * r
-        cell = torch.floor(pos).clamp(max=r - 1).long()
-        rows = grid_index(cell[:, None, :] + bits, r, size).flatten()
+        pos = x * r + offset
+        cell = torch.floor(pos).clamp(max=r if offset else r - 1).long()
+        rows = grid_index(cell[:, None, :] + bits, r, size, offset).flatten()
         counts[lvl] += torch.bincount(rows, minlength=size).double()
     table64 = torch.zeros(levels, size, features, dtype=torch.float64, device=points.device,
                           requires_grad=True)
-    out = hash_encode_reference(points.double(), table64, res)
+    out = hash_encode_reference(points.double(), table64, res, offset=offset)
     (abs_sum,) = torch.autograd.grad(out, table64, grad_out.double().abs())
     return counts[..., None], abs_sum
 
@@ -293,14 +327,16 @@ def _reordered_sum_bound(points, res, size, features, grad_out):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("n, size", [(1, 2**14), (257, 2**14), (1000, 2**14), (65536 + 17, 2**14),
                                      (4099, 12345)])
-def test_kernel_backward_matches_reference(n, size, dtype, monkeypatch):
+@pytest.mark.parametrize("offset", [0.0, 0.5])
+def test_kernel_backward_matches_reference(n, size, dtype, offset, monkeypatch):
     points, table, res = _random_inputs(n, dtype, seed=100 + n, size=size)
     table.requires_grad_(True)
     levels, size, features = table.shape
     cot = torch.randn(n, levels * features, device="cuda",
                       generator=torch.Generator(device="cuda").manual_seed(n))
-    (expected,) = torch.autograd.grad(hash_encode(points, table, res, use_kernels=False), table, cot)
-    counts, abs_sum = _reordered_sum_bound(points, res, size, features, cot)
+    (expected,) = torch.autograd.grad(hash_encode(points, table, res, use_kernels=False, offset=offset),
+                                      table, cot)
+    counts, abs_sum = _reordered_sum_bound(points, res, size, features, cot, offset)
     host = tuple(res.tolist())
     # Block-private accumulation of the dense levels: off (no host resolutions), every dense level
     # that fits (min hits 1), and tiny 4 KiB slabs so levels span several slabs with edges inside.
@@ -311,10 +347,10 @@ def test_kernel_backward_matches_reference(n, size, dtype, monkeypatch):
         monkeypatch.setattr(hashgrid, "PRIVATE_MAX_SLABS", 64)
         monkeypatch.setattr(hashgrid, "PRIVATE_SMEM_BYTES", smem)
         if res_host is not None:
-            l0, slabs = hashgrid.private_plan(n, res_host, size, features, smem or 4096)
+            l0, slabs = hashgrid.private_plan(n, res_host, size, features, smem or 4096, offset)
             assert n < 16 or l0 >= 1, (n, res_host)  # the private kernel really runs here
         (got,) = torch.autograd.grad(
-            hashgrid._HashEncode.apply(points, table, res, group, None, defines, res_host), table, cot)
+            hashgrid._HashEncode.apply(points, table, res, group, None, defines, res_host, offset), table, cot)
         assert got.dtype == dtype and got.shape == table.shape
         err = (got.double() - expected.double()).abs()
         bound = 2 * counts * EPS32 * abs_sum + 1e-30
@@ -395,13 +431,14 @@ def test_kernel_odd_features_misaligned_view_and_points_grad():
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_hashgrid_cuda_matches_reference(dtype):
+@pytest.mark.parametrize("offset", [0.0, 0.5])
+def test_hashgrid_cuda_matches_reference(dtype, offset):
     torch.manual_seed(0)
     grid = kernels.HashGrid(levels=16, features_per_level=2, log2_hashmap_size=15,
-                            base_resolution=16, max_resolution=512, dtype=dtype).cuda()
+                            base_resolution=16, max_resolution=512, dtype=dtype, offset=offset).cuda()
     ref = kernels.HashGrid(levels=16, features_per_level=2, log2_hashmap_size=15,
                            base_resolution=16, max_resolution=512, dtype=dtype,
-                           use_kernels=False).cuda()
+                           use_kernels=False, offset=offset).cuda()
     ref.load_state_dict(grid.state_dict())
     x = torch.rand(4096, 3, device="cuda")
     torch.testing.assert_close(grid(x), ref(x), rtol=1e-5, atol=1e-6)
@@ -456,6 +493,10 @@ def test_private_plan_picks_leading_dense_levels_in_slabs(monkeypatch):
     # A hashed first level (tiny table) or no shared memory: nothing private.
     assert hashgrid.private_plan(2**21, res, 2**12, 2, 200 * 1024) == (0, [])
     assert hashgrid.private_plan(2**21, res, 2**19, 2, 4) == (0, [])
+    # With the half-cell offset a level has (R + 2)^3 rows: level 0 (16) 5832 in one slab
+    l0, slabs = hashgrid.private_plan(2**21, res, 2**19, 2, 200 * 1024, offset=0.5)
+    assert [s for s in slabs if s[0] == 0] == [(0, 0, 18**3)]
+    assert sum(s[2] for s in slabs if s[0] == 3) == 44**3
 
 
 def test_pack_groups_shares_blocks_between_small_slabs():

@@ -160,3 +160,19 @@ def test_early_stop_renders_what_the_dense_renderer_does_with_fewer_samples():
             assert dense["opacity"].max() < 0.99 and n_early == n_dense  # nothing to stop early
         else:
             assert (dense["opacity"] > 1 - EARLY_STOP_T).float().mean() > 0.5 and n_early < 0.8 * n_dense
+
+
+def test_grid_offset_reaches_the_encoding_and_is_checked():
+    """``nerf.grid_offset`` (tiny-cuda-nn's half-cell shift) is the field's encoding offset; the same
+    table then gives other features, and a value outside [0, 1) is refused by name."""
+    box = torch.tensor([[-1.0, -1.0, -1.0], [1.0, 1.0, 1.0]])
+    torch.manual_seed(0)
+    plain = NerfField(NerfParams(max_resolution=64, log2_hashmap_size=12), box)
+    shifted = NerfField(NerfParams(max_resolution=64, log2_hashmap_size=12, grid_offset=0.5), box)
+    shifted.load_state_dict(plain.state_dict())  # same weights: the offset is config, not state
+    assert plain.encoding.offset == 0.0 and shifted.encoding.offset == 0.5
+    x = torch.rand(64, 3) * 2 - 1
+    assert not torch.allclose(plain.encoding(plain.normalize(x)), shifted.encoding(shifted.normalize(x)))
+    for bad in (1.0, -0.25):
+        with pytest.raises(ValueError, match="grid_offset"):
+            NerfParams(grid_offset=bad)

@@ -2,9 +2,12 @@
 // Multiresolution Hash Encoding", Sec. 3). Python side: kernels/hashgrid.py; reference with the same
 // arithmetic: kernels/_reference.py (hash_encode_reference).
 //
-// Per level l with resolution R = resolutions[l]: pos = clamp(x, 0, 1) * R, cell = min(floor(pos), R-1),
-// trilinear weights from frac = pos - cell over the 8 corners (integer corners in [0, R]).
-// Corner row: dense x + y*(R+1) + z*(R+1)^2 when (R+1)^3 <= T, else the spatial hash
+// Per level l with resolution R = resolutions[l] and the grid offset o (0 <= o < 1, the same for all
+// levels): pos = clamp(x, 0, 1) * R + o, cell = min(floor(pos), V-2) with V = R+1 vertices per axis
+// when o = 0 and R+2 otherwise, trilinear weights from frac = pos - cell over the 8 corners (integer
+// corners in [0, V-1]). o = 0.5 is tiny-cuda-nn's half-cell shift: a level's vertices sit at
+// (k - 0.5) / R, so the levels no longer share the vertices of the box's corners and centre planes.
+// Corner row: dense x + y*V + z*V^2 when V^3 <= T, else the spatial hash
 // (x * 1 ^ y * 2654435761 ^ z * 805459861) mod T, all in uint32.
 //
 // Threads: one per (point, level). Template G = levels per block row: the grid is
@@ -37,19 +40,21 @@
 // pos uses __fmul_rn so it is never fused into a later FMA: it rounds exactly as PyTorch's float32
 // multiply does, so kernel and reference pick the same cell and the same weights.
 __device__ __forceinline__ void trilinear_corners(const float* __restrict__ p,  // [3]
-                                                  int R, u32 T, u32 (&idx)[8], float (&w)[8]) {
+                                                  int R, float off, u32 T, u32 (&idx)[8],
+                                                  float (&w)[8]) {
   const float Rf = (float)R;
+  const int last = (off > 0.0f) ? R : R - 1;  // the last cell: V - 2
   u32 c0[3];
   float fr[3];
 #pragma unroll
   for (int d = 0; d < 3; ++d) {
     const float x = fminf(fmaxf(__ldg(p + d), 0.0f), 1.0f);  // NaN -> 0, as the reference
-    const float pos = __fmul_rn(x, Rf);
-    const int cell = min((int)floorf(pos), R - 1);
+    const float pos = __fadd_rn(__fmul_rn(x, Rf), off);
+    const int cell = min((int)floorf(pos), last);
     fr[d] = pos - (float)cell;
     c0[d] = (u32)cell;
   }
-  const u32 R1 = (u32)R + 1u;
+  const u32 R1 = (u32)last + 2u;  // V
   const bool dense = (u64)R1 * R1 * R1 <= (u64)T;
   const bool pow2 = (T & (T - 1u)) == 0u;
 #pragma unroll
@@ -102,13 +107,13 @@ __global__ void hash_encode_fwd(const float* __restrict__ points,      // [N, 3]
                                 const scalar_t* __restrict__ table,    // [L, T, F]
                                 const int* __restrict__ resolutions,   // [L]
                                 float* __restrict__ out,               // [N, L * F]
-                                u32 N, u32 L, u32 T) {
+                                u32 N, u32 L, u32 T, float off) {
   u32 n, l;
   if (!thread_item<G>(N, L, n, l)) return;
   const int R = max(__ldg(resolutions + l), 1);
   u32 idx[8];
   float w[8];
-  trilinear_corners(points + (u64)n * 3, R, T, idx, w);
+  trilinear_corners(points + (u64)n * 3, R, off, T, idx, w);
   const scalar_t* __restrict__ level = table + (u64)l * T * F;
   float v[8][F];
 #pragma unroll
@@ -157,7 +162,7 @@ __global__ void hash_encode_bwd(const float* __restrict__ points,      // [N, 3]
                                 const float* __restrict__ grad_out,    // [N, L * F]
                                 const int* __restrict__ resolutions,   // [L]
                                 float* __restrict__ grad_table,        // [L, T, F], float32, zeroed
-                                u32 N, u32 L, u32 T, u32 l0) {
+                                u32 N, u32 L, u32 T, u32 l0, float off) {
   u32 n, l;
   if (!thread_item<G>(N, L - l0, n, l)) return;
   l += l0;
@@ -181,7 +186,7 @@ __global__ void hash_encode_bwd(const float* __restrict__ points,      // [N, 3]
   const int R = max(__ldg(resolutions + l), 1);
   u32 idx[8];
   float w[8];
-  trilinear_corners(points + (u64)n * 3, R, T, idx, w);
+  trilinear_corners(points + (u64)n * 3, R, off, T, idx, w);
   float* __restrict__ level = grad_table + (u64)l * T * F;
 #pragma unroll
   for (int c = 0; c < 8; c += 2) {
@@ -204,7 +209,7 @@ __global__ void hash_encode_bwd(const float* __restrict__ points,      // [N, 3]
 }
 
 // Backward of the coarse dense levels with block-private accumulation. On a dense level of
-// (R+1)^3 rows every row collects thousands of corner updates; sending each to L2 as an atomic
+// V^3 rows every row collects thousands of corner updates; sending each to L2 as an atomic
 // makes those levels as costly as the hashed ones. Here a block owns a group of slabs (slab =
 // {level, first row, rows, offset in shared memory}; group g holds slabs groups[g] ..
 // groups[g+1]-1, their rows * F floats side by side in dynamic shared memory), walks a strided
@@ -218,7 +223,7 @@ __global__ void hash_encode_bwd_private(const float* __restrict__ points,      /
                                         const int* __restrict__ slabs,         // [S, 4]
                                         const int* __restrict__ groups,        // [groups + 1]
                                         float* __restrict__ grad_table,        // [L, T, F]
-                                        u32 N, u32 L, u32 T) {
+                                        u32 N, u32 L, u32 T, float off) {
   extern __shared__ float acc[];
   const int s_begin = __ldg(groups + blockIdx.y), s_end = __ldg(groups + blockIdx.y + 1);
   const int* last = slabs + 4 * (s_end - 1);
@@ -243,7 +248,7 @@ __global__ void hash_encode_bwd_private(const float* __restrict__ points,      /
       float* __restrict__ mine = acc + (u32)__ldg(slab + 3) * F;
       u32 idx[8];
       float w[8];
-      trilinear_corners(p, max(__ldg(resolutions + l), 1), T, idx, w);
+      trilinear_corners(p, max(__ldg(resolutions + l), 1), off, T, idx, w);
 #pragma unroll
       for (int c = 0; c < 8; ++c) {
         const u32 r = idx[c] - row0;  // wraps to a large value below the slab

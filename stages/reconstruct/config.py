@@ -26,6 +26,10 @@ class NerfParams:
     # s) finest 2048 scored 32.63 / 33.57 / 33.96 dB, 512 32.74 / 33.68 / 34.16, 384 32.86 / 33.79 /
     # 34.26, 256 32.77 / 33.81 / 34.30, 192 32.41 / 33.48 / 34.01, 128 31.32 / 32.46 / 33.13.
     max_resolution: int | Literal["auto"] = 2048
+    # Added to every level's grid coordinate x * R before the cell lookup, in [0, 1). 0: every level's
+    # vertices include the box's corners (and, for even R, its centre planes); 0.5: tiny-cuda-nn's
+    # half-cell shift, which staggers the levels' vertices (a level then has R + 2 per axis).
+    grid_offset: float = 0.0
     hidden_dim: int = 64
     geo_feat_dim: int = 15
     # The MLPs' layers: "torch" (nn.Linear: biases, Kaiming-uniform weights), or "tcnn" as tiny-cuda-nn's
@@ -131,6 +135,7 @@ class NerfParams:
         check(self.base_resolution >= 2, "base_resolution", "must be >= 2", self.base_resolution)
         check(self.max_resolution == "auto" or self.max_resolution >= self.base_resolution, "max_resolution",
               "must be auto or >= base_resolution", self.max_resolution)
+        check(0 <= self.grid_offset < 1, "grid_offset", "must be in [0, 1)", self.grid_offset)
         check(self.hidden_dim >= 8, "hidden_dim", "must be >= 8", self.hidden_dim)
         check(self.mlp_init in ("torch", "tcnn"), "mlp_init", "must be 'torch' or 'tcnn'", self.mlp_init)
         check(self.geo_feat_dim >= 1, "geo_feat_dim", "must be >= 1", self.geo_feat_dim)

@@ -132,6 +132,7 @@ class NerfField(nn.Module):
             base_resolution=cfg.base_resolution,
             max_resolution=cfg.max_resolution,
             use_kernels=use_kernels,
+            offset=cfg.grid_offset,
         )
         h = cfg.hidden_dim
         self.geo_feat_dim = cfg.geo_feat_dim
