@@ -100,14 +100,43 @@ EDITS = (("max_steps = 20000", "max_steps = {steps}"),
          ("if step % 10000 == 0:", "if step % 10000 == 0 or step == max_steps:"))
 
 
-def patch_example(src: str, steps: int) -> str:
-    """The example's source set to ``steps`` steps, printing its clock at the last one; refused (another
-    version of the example) where a text to replace is missing."""
+def patch_example(src: str, steps: int, edits: list[tuple[str, str]] = ()) -> str:
+    """The example's source set to ``steps`` steps, printing its clock at the last one, then with each of
+    ``edits`` (text, its replacement; ``--edit``: one of the example's settings changed to ours, a
+    diagnostic) applied; refused (another version of the example) where a text to replace is missing,
+    and an edit also where its text is there more than once."""
     for old, new in EDITS:
         if old not in src:
             raise ValueError(f"{old!r} is not in the example: another version of nerfacc's examples?")
         src = src.replace(old, new.format(steps=steps))
+    for old, new in edits:
+        if src.count(old) != 1:
+            raise ValueError(f"--edit: {old!r} is in the example {src.count(old)} times, not once "
+                             "(another version of nerfacc's examples, or a text too short to place)")
+        src = src.replace(old, new)
     return src
+
+
+# Our profile's settings as edits of the example (``--ours NAME``), for moving the peer's pipeline toward ours
+# one setting at a time (with ``--field ours``, the field is ours already): where it falls to our pipeline's
+# score, that setting is part of what loses. hull_box is our hull box of lego (poses out e73cb32e, 2026-12-07)
+# in the Blender frame: the bounding box of its corners.
+OURS_EDITS = {
+    "random_background": 'train_dataset_kwargs = {}=>train_dataset_kwargs = {"color_bkgd_aug": "random"}',
+    "beta2": "lr=1e-2, eps=1e-15, weight_decay=weight_decay=>lr=1e-2, eps=1e-15, weight_decay=weight_decay, "
+             "betas=(0.9, 0.99)",
+    "tf32": 'device = "cuda:0"=>device = "cuda:0"; torch.backends.cuda.matmul.allow_tf32 = True',
+    "hull_box": "aabb = torch.tensor([-1.5, -1.5, -1.5, 1.5, 1.5, 1.5], device=device)=>"
+                "aabb = torch.tensor([-0.857, -1.335, -0.813, 0.942, 1.331, 1.251], device=device)",
+}
+
+
+def parse_edit(text: str) -> tuple[str, str]:
+    """``OLD=>NEW`` of ``--edit`` as (old, new)."""
+    old, sep, new = text.partition("=>")
+    if not sep or not old:
+        raise ValueError(f"--edit takes OLD=>NEW, got {text!r}")
+    return old, new
 
 
 def sh(cmd: list[str], log: Path, env: dict | None = None, cwd: Path | None = None) -> int:
@@ -216,13 +245,14 @@ def parse_peer(text: str, steps: int) -> dict:
             "train_batch_psnr": float(last[-1][2])}
 
 
-def run_peer(peer: Path, scene: str, steps: int, log: Path, field: dict | None = None) -> dict:
+def run_peer(peer: Path, scene: str, steps: int, log: Path, field: dict | None = None,
+             edits: list[tuple[str, str]] = ()) -> dict:
     """One run of the example for ``steps`` steps; ``field``: NerfParams of our field to train in its
-    place (``--field ours``), None for the example's own."""
+    place (``--field ours``), None for the example's own; ``edits``: see :func:`patch_example`."""
     examples = peer / "nerfacc-examples" / "examples"
     script = examples / "train_ngp_nerf_occ.py"
     patched = Path(f"/tmp/peer_{script.stem}_{steps}.py")
-    patched.write_text(patch_example(script.read_text(), steps))
+    patched.write_text(patch_example(script.read_text(), steps, edits))
     t = time.time()
     proc = subprocess.run([sys.executable, "-c", RUNNER, str(examples), str(script), str(patched),
                            str((peer / "data").resolve()), scene, json.dumps(field) if field is not None else "",
@@ -237,6 +267,8 @@ def run_peer(peer: Path, scene: str, steps: int, log: Path, field: dict | None =
     row["wall_seconds"] = round(time.time() - t, 1)
     if field is not None:
         row["field"] = {"ours": field}
+    if edits:
+        row["edits"] = [f"{old}=>{new}" for old, new in edits]
     return row
 
 
@@ -302,6 +334,11 @@ def main(argv: list[str] | None = None) -> int:
                          "sampler, occupancy grid, loss and schedule, is our field the difference?)")
     ap.add_argument("--field-set", action="append", default=[],
                     help="key=<yaml value> of our field's NerfParams with --field ours (repeatable)")
+    ap.add_argument("--edit", action="append", default=[], type=parse_edit, metavar="OLD=>NEW",
+                    help="replace a text of the example that is there once (repeatable; a diagnostic: one of "
+                         "its settings made ours, e.g. its background or Adam's betas)")
+    ap.add_argument("--ours", action="append", default=[], choices=sorted(OURS_EDITS),
+                    help="one of our profile's settings in the example (OURS_EDITS; repeatable)")
     ap.add_argument("--log-dir", type=Path, default=Path("."), help="build and run logs")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
@@ -345,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         field = {k: yaml.safe_load(v) for k, _, v in (kv.partition("=") for kv in args.field_set)}
     rows = []
     for steps in (int(s) for s in args.steps.split(",")):
-        rows.append(run_peer(args.peer, args.scene, steps, runs, field))
+        edits = [*args.edit, *(parse_edit(OURS_EDITS[name]) for name in args.ours)]
+        rows.append(run_peer(args.peer, args.scene, steps, runs, field, edits))
         print(f"peer {steps} steps: {rows[-1]['psnr']:.2f} dB after {rows[-1]['train_seconds']:.1f} s", flush=True)
         write(rows, None)
     if args.poses is not None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. as, au .. az, ba .. bh; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. as, au .. az, ba .. bj; default a; each about 10 min)
 # 2026-12-06: ad, ae, af ran (one warm H100), then fern at 30k alone (the README's issue-16 table).
 # 2026-12-06 session 2: ag (the SH pair's GPU tests passed; NeRF levers), ai, aj, ak, al ran (one warm H100).
 # 2026-12-06 session 3: am (supersample: GPU tests passed, lost on lego, reverted again) and an ran (one warm H100).
@@ -15,6 +15,9 @@
 # 2026-12-07 session 7: ax, ay, ba, bb ran (one H100; GPU_NERF took tcnn layers, culling and 1400 steps a ray for
 # lego, the peer 0.05 dB ahead in ba), then fern and fox without culling on it (CONTRACTED_NERF's since). Next: bc
 # (fern's 3DGS on today's poses), bd (the peer at 10k, seeds, 2^19 samples); az is unlikely to gain (README).
+# 2026-12-07 session 8: bd ran, and fern's NeRF and 3DGS pair (bench_nerf_quality.py --method 3dgs) ad hoc; their
+# JSON did not survive the session's checkout (README). Session 9 (a new checkout): be, bg, bh ran (one H100 each;
+# bh's first nerfacc arm was invalid, see bi). Next: bi, bj (where our pipeline loses to the peer's), then bf.
 # Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
 # on fox; lego 3DGS at 30k beside gsplat); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
 # earlier parts are the commands the results JSONs cite.
@@ -619,6 +622,32 @@ bh)
   sw ours 90 ours
   sw nerfacc_white 90 nerfacc --set nerf.random_background=off
   ;;
-*) echo "gpu_session: part must be one of a-z, aa-as, au-az, ba-bh" >&2; exit 2 ;;
+bi|bj)
+  # issue 17, not run yet (written 2026-12-07, session 9, after bh's first nerfacc arm scored 23.0 dB because our grid,
+  # which scores the views, was never refreshed; fixed since). Where does our pipeline lose to the peer's with the
+  # same field? bi: bh's nerfacc arm again, and our field (finest 1024, the peer's best) in the peer's example as
+  # written; bj: the example with one of our profile's settings at a time (bench_nerf_peer.py OURS_EDITS), then all.
+  # 5000 steps each. Carry .gpu/peer (with be's tiny-cuda-nn wheel) and .gpu/data/lego
+  fo() {  # fo <name> [bench_nerf_peer.py args...]: our field in the example
+    local name=$1; shift
+    step "$name" 75 python3 benchmarks/bench_nerf_peer.py --peer .gpu/peer --steps 5000 --warmup-steps 0 --field ours \
+      --field-set max_resolution=1024 --field-set mlp_init=tcnn "$@" --log-dir "$OUT/$name" --json "$OUT/$name.json"
+  }
+  if [ "$PART" = bi ]; then
+    step nerfacc 200 python3 benchmarks/bench_nerf_swap.py --renderer nerfacc --peer .gpu/peer -- --poses lego=$D/lego \
+      --budgets 300 --set steps=5000 --set nerf.cuda_graph=off --json "$OUT/nerfacc.json"
+    step ours 90 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 300 --set steps=5000 \
+      --set nerf.cuda_graph=off --json "$OUT/ours.json"
+    step field 150 python3 benchmarks/bench_nerf_peer.py --peer .gpu/peer --steps 5000 --field ours \
+      --field-set max_resolution=1024 --field-set mlp_init=tcnn --log-dir "$OUT/field" --json "$OUT/field.json"
+    fo field_random_bg --ours random_background
+  else
+    fo field_beta2 --ours beta2
+    fo field_tf32 --ours tf32
+    fo field_hull_box --ours hull_box
+    fo field_all --ours random_background --ours beta2 --ours tf32 --ours hull_box
+  fi
+  ;;
+*) echo "gpu_session: part must be one of a-z, aa-as, au-az, ba-bj" >&2; exit 2 ;;
 esac
 echo "== done"

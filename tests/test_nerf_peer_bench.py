@@ -72,9 +72,25 @@ def test_patching_sets_the_steps_and_refuses_another_version():
         bench.patch_example(src.replace("max_steps = 20000", "max_steps = 30000"), 5000)
 
 
+def test_edits_replace_a_text_that_is_there_once():
+    bench = _bench()
+    src = "max_steps = 20000\nfor step in r:\n    if step % 10000 == 0:\nkw = {}\nopt = Adam(eps=1e-15)\n"
+    out = bench.patch_example(src, 100, [bench.parse_edit('kw = {}=>kw = {"color_bkgd_aug": "random"}')])
+    assert 'kw = {"color_bkgd_aug": "random"}' in out and "max_steps = 100" in out
+    with pytest.raises(ValueError, match="0 times"):
+        bench.patch_example(src, 100, [("betas=(0.9, 0.999)", "betas=(0.9, 0.99)")])
+    with pytest.raises(ValueError, match="2 times"):
+        bench.patch_example(src + "kw = {}\n", 100, [("kw = {}", "kw = None")])
+    with pytest.raises(ValueError, match="OLD=>NEW"):
+        bench.parse_edit("no arrow")
+
+
 @pytest.mark.skipif(not EXAMPLE.is_file(), reason="nerfacc's example is not in .gpu/peer (prepare_peer_ngp.sh)")
 def test_the_example_as_packed_takes_the_patch():
     out = _bench().patch_example(EXAMPLE.read_text(), 5000)
     compile(out, str(EXAMPLE), "exec")
     assert "max_steps = 20000" not in out and "max_steps = 5000" in out
+    bench = _bench()
+    every = [bench.parse_edit(edit) for edit in bench.OURS_EDITS.values()]  # --ours: each there once
+    compile(bench.patch_example(EXAMPLE.read_text(), 5000, every), str(EXAMPLE), "exec")
     assert "WIDTH, HEIGHT = 800, 800" in (EXAMPLE.parent / "datasets" / "nerf_synthetic.py").read_text()
