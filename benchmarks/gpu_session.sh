@@ -641,11 +641,14 @@ bi|bj)
     step field 150 python3 benchmarks/bench_nerf_peer.py --peer .gpu/peer --steps 5000 --field ours \
       --field-set max_resolution=1024 --field-set mlp_init=tcnn --log-dir "$OUT/field" --json "$OUT/field.json"
     fo field_random_bg --ours random_background
+    step ours_wd0 90 python3 benchmarks/bench_nerf_quality.py --poses lego=$D/lego --budgets 300 --set steps=5000 \
+      --set nerf.cuda_graph=off --set nerf.weight_decay=0 --json "$OUT/ours_wd0.json"
   else
+    fo field_unscaled_wd --ours unscaled_weight_decay
     fo field_beta2 --ours beta2
     fo field_tf32 --ours tf32
     fo field_hull_box --ours hull_box
-    fo field_all --ours random_background --ours beta2 --ours tf32 --ours hull_box
+    fo field_all --ours random_background --ours beta2 --ours tf32 --ours hull_box --ours unscaled_weight_decay
   fi
   ;;
 *) echo "gpu_session: part must be one of a-z, aa-as, au-az, ba-bj" >&2; exit 2 ;;
