@@ -115,6 +115,16 @@ def test_another_config_is_an_error_naming_the_keys(tmp_path):
     assert config_differences(to_dict(params()), to_dict(ok)) == []
 
 
+def test_a_key_added_since_the_checkpoint_is_no_difference_at_its_default():
+    """A checkpoint written before ``nerf.grid_offset`` existed resumes while it is 0 (the behaviour
+    then); set to anything else, the run would train another model, which is named."""
+    old = to_dict(params())
+    del old["nerf"]["grid_offset"]
+    assert config_differences(old, to_dict(params())) == []
+    assert config_differences(old, to_dict(params({"nerf": {"grid_offset": 0.5}}))) == [
+        "reconstruct.nerf.grid_offset: '<absent>' -> 0.5"]
+
+
 # ---------------------------------------------------------------- in-process training
 
 

@@ -30,7 +30,7 @@ import logging
 import re
 import shutil
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ import torch
 from stages.common.fingerprint import short
 from stages.common.io import atomic_write_bytes, atomic_write_json
 
-from .config import migrate_config
+from .config import ReconstructParams, migrate_config
 from .guards import check_finite
 
 log = logging.getLogger("stages.reconstruct.checkpoint")
@@ -93,12 +93,17 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 def config_differences(saved: dict, current: dict, operational: frozenset[str] = frozenset()) -> list[str]:
     """``key: saved -> current`` for every params key that differs, except the operational ones
-    (:data:`OPERATIONAL_KEYS` and ``operational``)."""
+    (:data:`OPERATIONAL_KEYS` and ``operational``). A key the saved config lacks (it was written
+    before the key existed) is no difference while the current value is the key's default: a new
+    key's default is the behaviour from before it (e.g. ``nerf.grid_offset`` 0)."""
     a, b = _flatten(migrate_config(saved)), _flatten(migrate_config(current))
+    defaults = _flatten(asdict(ReconstructParams()))
     skip = OPERATIONAL_KEYS | operational
     diffs = []
     for key in sorted(set(a) | set(b)):
         if key in skip:
+            continue
+        if key not in a and key in b and key in defaults and b[key] == defaults[key]:
             continue
         va, vb = a.get(key, "<absent>"), b.get(key, "<absent>")
         if isinstance(va, (list, tuple)) and isinstance(vb, (list, tuple)):
