@@ -103,6 +103,9 @@ def use_nerfacc_renderer() -> None:
         return occupied
 
     def loss(self, o, d, rgb, generator, background=None, appearance=None):
+        if appearance is not None:
+            raise SystemExit("bench_nerf_swap: --renderer nerfacc takes no appearance codes (nerf.appearance_dim 0)")
+
         def sigma_fn(t0, t1, ri):
             return self.field.density(o[ri] + d[ri] * ((t0 + t1) * 0.5)[:, None])
 
