@@ -94,3 +94,45 @@ def test_the_example_as_packed_takes_the_patch():
     every = [bench.parse_edit(edit) for edit in bench.OURS_EDITS.values()]  # --ours: each there once
     compile(bench.patch_example(EXAMPLE.read_text(), 5000, every), str(EXAMPLE), "exec")
     assert "WIDTH, HEIGHT = 800, 800" in (EXAMPLE.parent / "datasets" / "nerf_synthetic.py").read_text()
+
+
+def test_swap_bench_puts_a_tiny_cuda_nn_grid_in_our_field(monkeypatch):
+    """bench_nerf_swap.py's tiny-cuda-nn grid is a drop-in for our HashGrid inside the field: the field
+    builds with it, trains its flat parameters, and a snapshot reloads into a fresh field. tiny-cuda-nn
+    has no CPU path, so a stand-in Encoding (our reference grid behind tinycudann's interface) plays it."""
+    import sys
+    import types
+
+    import torch
+
+    from kernels import grid_resolutions
+    from kernels._reference import hash_encode_reference
+    from stages.reconstruct.config import NerfParams
+    import stages.reconstruct.nerf.field as field
+
+    class Encoding(torch.nn.Module):  # tinycudann.Encoding's constructor and flat params
+        def __init__(self, n_input_dims, cfg, seed=1337, dtype=torch.float32):
+            super().__init__()
+            levels, f, size = cfg["n_levels"], cfg["n_features_per_level"], 2 ** cfg["log2_hashmap_size"]
+            finest = round(cfg["base_resolution"] * cfg["per_level_scale"] ** (levels - 1))
+            self.res, self.shape = grid_resolutions(levels, cfg["base_resolution"], finest), (levels, size, f)
+            self.params = torch.nn.Parameter(torch.empty(levels * size * f).uniform_(-1e-4, 1e-4))
+
+        def forward(self, x):
+            return hash_encode_reference(x, self.params.view(*self.shape), self.res)
+
+    monkeypatch.setitem(sys.modules, "tinycudann", types.SimpleNamespace(Encoding=Encoding))
+    spec = importlib.util.spec_from_file_location("bench_nerf_swap", ROOT / "benchmarks" / "bench_nerf_swap.py")
+    swap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(swap)
+    monkeypatch.setattr(field, "HashGrid", swap.tcnn_grid(torch.float32))
+    cfg, box = NerfParams(max_resolution=64, log2_hashmap_size=12), torch.tensor([[-1.0] * 3, [1.0] * 3])
+    f = field.NerfField(cfg, box)
+    assert f.encoding.output_dim == 32 and f.encoding.resolutions.tolist()[-1] == 64
+    x, d = torch.rand(50, 3) * 2 - 1, torch.nn.functional.normalize(torch.randn(50, 3), dim=-1)
+    sigma, rgb = f(x, d)
+    (sigma.sum() + rgb.sum()).backward()
+    assert f.encoding.enc.params.grad.abs().sum() > 0
+    g = field.NerfField(cfg, box)
+    g.load_state_dict(f.state_dict())
+    torch.testing.assert_close(g(x, d)[1], f(x, d)[1])
