@@ -385,9 +385,9 @@ def main(argv: list[str] | None = None) -> int:
         import yaml
 
         field = {k: yaml.safe_load(v) for k, _, v in (kv.partition("=") for kv in args.field_set)}
+    edits = [*args.edit, *(parse_edit(OURS_EDITS[name]) for name in args.ours)]
     rows = []
     for steps in (int(s) for s in args.steps.split(",")):
-        edits = [*args.edit, *(parse_edit(OURS_EDITS[name]) for name in args.ours)]
         rows.append(run_peer(args.peer, args.scene, steps, runs, field, edits))
         print(f"peer {steps} steps: {rows[-1]['psnr']:.2f} dB after {rows[-1]['train_seconds']:.1f} s", flush=True)
         write(rows, None)

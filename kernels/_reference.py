@@ -23,6 +23,12 @@ def _as_int_list(resolutions: torch.Tensor | Sequence[int]) -> list[int]:
     return [int(r) for r in resolutions]
 
 
+def grid_vertices(resolution: int, offset: float = 0.0) -> int:
+    """Vertices per axis V of a level of resolution R: R + 1, or R + 2 with a grid offset (the grid
+    coordinate then spans [offset, R + offset], which reaches into one more cell)."""
+    return max(int(resolution), 1) + (2 if offset > 0 else 1)
+
+
 def grid_index(corners: torch.Tensor, resolution: int, table_size: int, offset: float = 0.0) -> torch.Tensor:
     """Table row of integer grid corners at one level.
 
@@ -30,14 +36,14 @@ def grid_index(corners: torch.Tensor, resolution: int, table_size: int, offset: 
         corners: [..., 3] int64 corners in [0, V - 1].
         resolution: R of the level.
         table_size: T, rows of the level's table.
-        offset: the grid offset: V = R + 1 vertices per axis without one, R + 2 with one.
+        offset: the grid offset, which sets V (:func:`grid_vertices`).
 
     Returns:
         [...] int64 in [0, T): dense ``x + y V + z V^2`` when V^3 <= T, else the spatial hash
         ``(x * 1 ^ y * 2654435761 ^ z * 805459861) mod T`` in uint32 arithmetic.
     """
     x, y, z = corners.unbind(-1)
-    r1 = max(resolution, 1) + (2 if offset > 0 else 1)
+    r1 = grid_vertices(resolution, offset)
     if r1**3 <= table_size:
         return x + y * r1 + z * (r1 * r1)
     # Products fit in int64 (corners < 2^31, primes < 2^32); masking each to 32 bits then XOR is
@@ -73,7 +79,8 @@ def hash_encode_reference(points: torch.Tensor, table: torch.Tensor,
     outs = []
     for level, r in enumerate(res):
         r = max(r, 1)
-        last = r if offset > 0 else r - 1  # the last cell (vertices - 2)
+        r1 = grid_vertices(r, offset)
+        last = r1 - 2  # the last cell
         pos = x * r + offset  # [N, 3]; + 0.0 changes no value
         cell = torch.floor(pos).clamp(max=last)
         frac = pos - cell
@@ -86,7 +93,6 @@ def hash_encode_reference(points: torch.Tensor, table: torch.Tensor,
         weights = (w[:, 2, :, None, None] * wxy[:, None]).reshape(n, 8)  # (wx * wy) * wz like the kernel
         c = cell.long()[:, :, None] + torch.tensor([0, 1], device=points.device)  # [N, 3, 2]
         cx, cy, cz = c[:, 0, None, None, :], c[:, 1, None, :, None], c[:, 2, :, None, None]
-        r1 = last + 2
         if r1**3 <= table_size:  # dense, as grid_index
             rows = (cx + cy * r1 + cz * (r1 * r1)).reshape(n, 8)
         else:  # the spatial hash of grid_index, one axis at a time

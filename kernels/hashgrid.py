@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _driver
 from ._driver import KernelProgram, f32, ptr, u32
-from ._reference import hash_encode_reference
+from ._reference import grid_vertices, hash_encode_reference
 
 # Launch configuration, chosen with `benchmarks/bench_kernels.py --variants` on an H200 (2^21 random
 # points, L=16, F=2, T=2^19): G = 4 ran the forward in 1.11 ms fp32 / 0.98 ms fp16 (30 / 34 G
@@ -159,12 +159,6 @@ def check_offset(offset) -> float:
     return float(offset)
 
 
-def vertices(resolution: int, offset: float = 0.0) -> int:
-    """Vertices per axis of a level of resolution R: R + 1, or R + 2 with an offset (the grid
-    coordinate then spans [offset, R + offset], which reaches into an extra cell)."""
-    return max(int(resolution), 1) + (2 if offset > 0 else 1)
-
-
 def _check_tensor(name: str, t, ndim: int) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -260,7 +254,7 @@ def _forward_cuda(points: torch.Tensor, table: torch.Tensor, res: torch.Tensor,
 def private_plan(n: int, resolutions: Sequence[int], table_size: int, features: int,
                  smem_bytes: int, offset: float = 0.0) -> tuple[int, list[tuple[int, int, int]]]:
     """Which leading levels the backward accumulates block-privately, and their slabs (``offset``:
-    the grid offset, which sets the vertices per axis; see :func:`vertices`).
+    the grid offset, which sets the vertices per axis; see :func:`grid_vertices`).
 
     Returns:
         (l0, slabs): levels 0..l0-1 go to ``hash_encode_bwd_private``, the rest to
@@ -273,7 +267,7 @@ def private_plan(n: int, resolutions: Sequence[int], table_size: int, features: 
     if rows_per_slab < 1:
         return 0, slabs
     for level, r in enumerate(resolutions):
-        rows = vertices(r, offset) ** 3
+        rows = grid_vertices(r, offset) ** 3
         if rows > table_size:  # a hashed level; resolutions ascend, so the rest are too
             break
         k = -(-rows // rows_per_slab)
@@ -418,7 +412,7 @@ def hash_encode(points: torch.Tensor, table: torch.Tensor,
     """Multi-resolution hash encoding: trilinear lookups in one hashed grid per level.
 
     Per level l with R = resolutions[l]: ``pos = clamp(x, 0, 1) * R + offset``,
-    ``cell = min(floor(pos), V-2)`` with V = :func:`vertices` per axis (R+1, or R+2 with an offset),
+    ``cell = min(floor(pos), V-2)`` with V = :func:`grid_vertices` per axis (R+1, or R+2 with an offset),
     trilinear interpolation over the cell's 8 corners (integer corners in [0, V-1]) of rows
     ``x + y V + z V^2`` when ``V^3 <= T`` (dense), else of the spatial hash
     ``(x * 1 ^ y * 2654435761 ^ z * 805459861) mod T`` (uint32).

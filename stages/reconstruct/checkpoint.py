@@ -103,7 +103,7 @@ def config_differences(saved: dict, current: dict, operational: frozenset[str] =
     for key in sorted(set(a) | set(b)):
         if key in skip:
             continue
-        if key not in a and key in b and key in defaults and b[key] == defaults[key]:
+        if key not in a and key in defaults and b.get(key) == defaults[key]:
             continue
         va, vb = a.get(key, "<absent>"), b.get(key, "<absent>")
         if isinstance(va, (list, tuple)) and isinstance(vb, (list, tuple)):
