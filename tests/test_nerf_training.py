@@ -111,19 +111,26 @@ def test_rgba_batches_train_on_a_random_colour_per_ray_and_render_on_white():
 def test_random_backgrounds_leave_no_floaters_in_transparent_space():
     """Views with alpha 0 around a ball: trained on random colours behind them, the field must
     clear the empty space (no colour matches every background). On white alone, white fog in front
-    of the white background costs nothing, so the same training leaves more opacity there."""
+    of the white background costs nothing, so the same training leaves more opacity there.
+
+    The factor-of-two margin was set with weight decay 1e-6 on the MLPs (the default until
+    2026-12-07), which keeps it here: 0.011 against 0.028. Without the decay, the default now,
+    white training leaves less fog too (0.016 against 0.023 at 60 steps, 0.014 against 0.023 at 120):
+    the ordering holds, the margin is smaller."""
     scene = _scene(alpha=True)
     o, d, rgba = RaySampler(scene.test, torch.Generator().manual_seed(3)).sample(512)
     empty = rgba[:, 3] == 0
     opacity = {}
-    for rb in ("auto", "off"):
-        m = _method(scene, random_background=rb, lr=3e-2)
-        _train(m, scene, 60)
-        with torch.no_grad():
-            out = render_rays(m.field, m.grid, o, d, m.step_size, m.max_steps, m.cfg.near)
-        opacity[rb] = float(out["opacity"][empty].mean())
-    assert opacity["auto"] < 0.2, opacity
-    assert opacity["auto"] < 0.5 * opacity["off"], opacity
+    for wd in (1e-6, 0.0):
+        for rb in ("auto", "off"):
+            m = _method(scene, random_background=rb, lr=3e-2, weight_decay=wd)
+            _train(m, scene, 60)
+            with torch.no_grad():
+                out = render_rays(m.field, m.grid, o, d, m.step_size, m.max_steps, m.cfg.near)
+            opacity[rb, wd] = float(out["opacity"][empty].mean())
+    assert opacity["auto", 1e-6] < 0.2 and opacity["auto", 0.0] < 0.2, opacity
+    assert opacity["auto", 1e-6] < 0.5 * opacity["off", 1e-6], opacity
+    assert opacity["auto", 0.0] < opacity["off", 0.0], opacity
 
 
 def test_huber_loss_trains_on_the_huber_value_and_logs_the_squared_error():
