@@ -625,9 +625,10 @@ bh)
   ;;
 bi|bj)
   # issue 17 (written 2026-12-07, session 9, after bh's first nerfacc arm scored 23.0 dB because our grid, which
-  # scores the views, was never refreshed, fixed since; bi ran in session 10, bj did not). Where does our pipeline lose to the peer's with the
-  # same field? bi: bh's nerfacc arm again, and our field (finest 1024, the peer's best) in the peer's example as
-  # written; bj: the example with one of our profile's settings at a time (bench_nerf_peer.py OURS_EDITS), then all.
+  # scores the views, was never refreshed, fixed since; bi ran in session 10, bj did not). Where does our
+  # pipeline lose to the peer's with the same field? bi: bh's nerfacc arm again, and our field (finest 1024, the
+  # peer's best) in the peer's example as written; bj: the example with one of our profile's settings at a time
+  # (bench_nerf_peer.py OURS_EDITS), then all.
   # 5000 steps each. Carry .gpu/peer (with be's tiny-cuda-nn wheel) and .gpu/data/lego
   fo() {  # fo <name> [bench_nerf_peer.py args...]: our field in the example
     local name=$1; shift
