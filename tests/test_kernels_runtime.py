@@ -436,14 +436,15 @@ def test_launch_from_a_new_thread():
 
 def _launch_forward(prog, points, table, res_t, out):
     from kernels import hashgrid
-    from kernels._driver import ptr, u32
+    from kernels._driver import f32, ptr, u32
 
     n, levels, size = points.shape[0], table.shape[0], table.shape[1]
     group = hashgrid.levels_per_block(2)
     prog.launch(hashgrid._fwd_name(torch.float32, 2, group),
                 hashgrid._launch_grid(n, levels, group, 256), (256,),
                 [(points.data_ptr(), ptr), (table.data_ptr(), ptr), (res_t.data_ptr(), ptr),
-                 (out.data_ptr(), ptr), (n, u32), (levels, u32), (size, u32)], device=0)
+                 (out.data_ptr(), ptr), (n, u32), (levels, u32), (size, u32), (0.0, f32)],  # grid offset 0
+                device=0)
 
 
 @pytest.mark.gpu
