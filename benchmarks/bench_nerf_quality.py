@@ -63,11 +63,17 @@ BUDGETS = (15.0, 30.0, 60.0, 120.0)
 GPU_NERF = {
     "levels": 16, "features_per_level": 2, "log2_hashmap_size": 19, "max_resolution": "auto",
     "samples_per_ray": 1400, "occ_resolution": 128, "occ_warmup_steps": 256, "lr": 1e-2, "lr_schedule": "exp",
-    "ema_decay": 0.99, "table_optimizer": "sparse", "target_samples": 1 << 18, "mlp_precision": "tf32",
+    "ema_decay": 0.99, "table_optimizer": "sparse", "target_samples": 1 << 18, "mlp_precision": "bfloat16",
     "distortion_loss": 0.0,  # instant-ngp has none; params.yaml's CPU profile does (--set nerf.distortion_loss=...)
     "mlp_init": "tcnn", "cull_occluded": True,
 }
-# tiny-cuda-nn's MLP layers (no biases, Glorot-uniform), culling, and the march step of nerfacc's example (5e-3 on
+# The MLPs in bfloat16 (autocast), not TF32: on lego 34.72 / 35.78 / 36.02 / 36.08 dB at 15 / 30 / 46 / 60 s
+# (seed 1: 34.46 / 35.56 / 35.79 / 35.83), TF32 34.22 / 35.17 / 35.38 / 35.43, with 3 % fewer steps (one H100,
+# 2026-12-07, gpu_session.sh parts bk and bm). TF32 is torch's process-wide switch, and it also rounded the rays'
+# R d matmul (up to 0.3 px on lego; pixel_rays has no matmul since), the presumed cause, not measured apart.
+# Contracted scenes keep TF32 (CONTRACTED_NERF), as fox and fern were measured (with the rays' matmul then); bf16
+# waits for a run there (gpu_session.sh part bn).
+# Tiny-cuda-nn's MLP layers (no biases, Glorot-uniform), culling, and the march step of nerfacc's example (5e-3 on
 # lego: 1400 across the box diagonal, was 1024), each over the profile before them on lego at 15 / 30 / 46 / 60 s
 # (one H100, one call, 2026-12-07, gpu_session.sh part ax): the profile 32.71 / 33.77 / 34.12 / 34.26 dB;
 # + tcnn layers 33.39 / 34.17 / 34.39 / 34.49; + culling 33.23 / 34.00 / 34.25 / 34.34; both 33.83 / 34.41 /
@@ -83,7 +89,7 @@ GPU_RECONSTRUCT = {"batch_rays": 8192, "steps": 25_000}
 # 31.83 dB at 30 / 60 / 120 s, without 31.62 / 32.11 / 32.38; fern 27.76 / 27.83 / 27.66 with, 27.75 / 28.00 /
 # 28.07 without (one H100, 2026-12-07, gpu_session.sh part bb and two runs after it on the same machine)
 CONTRACTED_NERF = {"scene_contraction": "mipnerf360", "max_resolution": 4096, "samples_per_ray": 512,
-                   "cull_occluded": False}
+                   "cull_occluded": False, "mlp_precision": "tf32"}
 # captures that go around their subject (the widest angle between two views' axes at least this, fox: 98
 # degrees) get mip-NeRF 360's distortion loss at this weight, as mip-NeRF 360 uses it on its 360 scenes;
 # forward-facing ones (fern: 19 degrees) none: there it cost fern 3.8 dB at 0.001 and 13 dB at 0.01

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. as, au .. az, ba .. bj; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. as, au .. az, ba .. bo; default a; each about 10 min)
 # 2026-12-06: ad, ae, af ran (one warm H100), then fern at 30k alone (the README's issue-16 table).
 # 2026-12-06 session 2: ag (the SH pair's GPU tests passed; NeRF levers), ai, aj, ak, al ran (one warm H100).
 # 2026-12-06 session 3: am (supersample: GPU tests passed, lost on lego, reverted again) and an ran (one warm H100).
@@ -19,6 +19,7 @@
 # JSON did not survive the session's checkout (README). Session 9 (a new checkout): be, bg, bh ran (one H100 each;
 # bh's first nerfacc arm was invalid, see bi). Next: bi, bj (where our pipeline loses to the peer's), then bf.
 # Session 10 ran bi (the MLPs' weight decay was the loss: off since) and left bj. Next: bk, bl (retuning without it).
+# Session 11 ran bk, bl, bm (one H100 lease; bf16 MLPs took lego past 35.7 dB at 60 s) and the peer pair. Next: bn, bo.
 # Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
 # on fox; lego 3DGS at 30k beside gsplat); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
 # earlier parts are the commands the results JSONs cite.
@@ -676,6 +677,33 @@ bk|bl)
     nq lego_lrf2e3 100 $L --set nerf.lr_final=0.002  # a 10k-step run, its rate at 5e-4 by 60 s, lost 0.25 dB
   fi
   ;;
-*) echo "gpu_session: part must be one of a-z, aa-as, au-az, ba-bl" >&2; exit 2 ;;
+bm)
+  # issue 17 (2026-12-07, session 11, after bk and bl: every retune lost or tied the profile; bl's GPU tests
+  # failed from a stale test launch on, which poisoned the context): the GPU tests again, then two levers
+  # that buy steps: the MLPs in bf16, and instant-ngp's 8 levels x 4 features (half the lookups a sample).
+  # Carry .gpu/data/lego
+  L="--poses lego=$D/lego --budgets 15,30,46,60"
+  step gpu_tests 150 python3 -m pytest -q -m gpu tests
+  nq lego_bf16 100 $L --set nerf.mlp_precision=bfloat16
+  nq lego_l8f4 100 $L --set nerf.levels=8 --set nerf.features_per_level=4
+  ;;
+bn|bo)
+  # issue 17, not run yet (written 2026-12-07, session 11, after bm: the MLPs in bf16 gave lego 36.08 dB at 60 s
+  # against TF32's 35.43, and pixel_rays lost its matmul, which TF32 rounded). bn: the GPU tests (one new: the
+  # rays under TF32), then lego with TF32 on the exact rays and in plain float32, to split bf16's gain between
+  # the MLPs and the rays; fox in bf16. bo: fern in bf16, fox and fern in TF32 on the exact rays (their profile).
+  # Carry .gpu/data/lego and .gpu/data/fox (bn), .gpu/data/fox and .gpu/data/fern (bo)
+  L="--poses lego=$D/lego --budgets 15,30,46,60"
+  if [ "$PART" = bn ]; then
+    step gpu_tests 150 python3 -m pytest -q -m gpu tests
+    nq lego_tf32 100 $L --set nerf.mlp_precision=tf32
+    nq lego_fp32 110 $L --set nerf.mlp_precision=float32
+    nq fox_bf16 230 --poses fox=$D/fox --budgets 30,60,120 --set nerf.mlp_precision=bfloat16
+  else
+    nq fern_bf16 230 --poses fern=$D/fern --budgets 30,60,120 --set nerf.mlp_precision=bfloat16
+    nq fox_tf32 230 --poses fox=$D/fox --budgets 30,60,120
+  fi
+  ;;
+*) echo "gpu_session: part must be one of a-z, aa-as, au-az, ba-bo" >&2; exit 2 ;;
 esac
 echo "== done"

@@ -148,6 +148,45 @@ def test_views_pinned_and_moved_to_the_gpu_draw_what_the_cpu_draws():
     torch.testing.assert_close(gpu.cameras.K().cpu(), v.cameras.K(), rtol=0, atol=0)
 
 
+def _ray_angle_error(device: str) -> float:
+    """The largest angle (radians) between pixel_rays' directions on ``device`` and float64's, over 4096
+    rays of per-ray cameras and of one shared camera (lego-like: 400 px, focal 556)."""
+    g = torch.Generator().manual_seed(7)
+    c2w = _c2w(64, seed=3)
+    img = torch.randint(0, 64, (4096,), generator=g)
+    u, v = torch.rand(4096, generator=g) * 400, torch.rand(4096, generator=g) * 400
+    intr = C.Intrinsics(400, 400, 555.5555, 555.5555, 200.0, 200.0)
+    worst = 0.0
+    for cam in (c2w[img], c2w[5]):
+        _, d = pixel_rays(intr, cam.to(device), u.to(device), v.to(device))
+        x, y = (u.double() + 0.5 - intr.cx) / intr.fx, (v.double() + 0.5 - intr.cy) / intr.fy
+        ref = torch.stack([x, y, torch.ones_like(x)], -1) @ cam.double()[..., :3, :3].transpose(-1, -2) \
+            if cam.dim() == 2 else (cam.double()[..., :3, :3] @ torch.stack([x, y, torch.ones_like(x)], -1)[..., None])[..., 0]
+        ref = ref / ref.norm(dim=-1, keepdim=True)
+        d = d.cpu().double()
+        d = d / d.norm(dim=-1, keepdim=True)  # the angle alone (acos of a float32 unit vector's dot is 5e-4 off)
+        worst = max(worst, float(2 * torch.asin((d - ref).norm(dim=-1) / 2).max()))
+    return worst
+
+
+def test_pixel_rays_are_float32_exact():
+    """Directions within float32 rounding of the float64 rotation (1e-6 rad; a lego pixel is 1.8e-3)."""
+    assert _ray_angle_error("cpu") < 1e-6
+
+
+@requires_gpu
+@pytest.mark.gpu
+def test_pixel_rays_ignore_the_tf32_switch():
+    """nerf.mlp_precision tf32 turns torch's process-wide TF32 matmuls on for the MLPs. The rays must not
+    follow it: with R d as a matmul, TF32's 10-bit mantissas bent lego's rays by up to 0.3 px (5e-4 rad)."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        assert _ray_angle_error("cuda") < 1e-6
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
 def test_image_rays_are_row_major_through_pixel_centres():
     intr = INTRS[1]
     c2w = torch.eye(4)
