@@ -69,8 +69,8 @@ GPU_NERF = {
 }
 # The MLPs in bfloat16 (autocast), not TF32: on lego 34.72 / 35.78 / 36.02 / 36.08 dB at 15 / 30 / 46 / 60 s
 # (seed 1: 34.46 / 35.56 / 35.79 / 35.83), TF32 34.22 / 35.17 / 35.38 / 35.43, with 3 % fewer steps (one H100,
-# 2026-12-07, gpu_session.sh parts bk and bm). TF32 is torch's process-wide switch, and it also rounded the rays'
-# R d matmul (up to 0.3 px on lego; pixel_rays has no matmul since), the presumed cause, not measured apart.
+# 2026-12-07, gpu_session.sh parts bk and bm). TF32 is torch's process-wide switch, so it presumably also rounded
+# the rays' R d matmul (up to 0.3 px on lego, emulated; pixel_rays has no matmul since): not measured apart yet.
 # Contracted scenes keep TF32 (CONTRACTED_NERF), as fox and fern were measured (with the rays' matmul then); bf16
 # waits for a run there (gpu_session.sh part bn).
 # Tiny-cuda-nn's MLP layers (no biases, Glorot-uniform), culling, and the march step of nerfacc's example (5e-3 on

@@ -318,10 +318,11 @@ def pixel_rays(
     y = (v.float() + 0.5 - cy) / fy
     d_cam = torch.stack([x, y, torch.ones_like(x)], dim=-1)
     R = c2w[..., :3, :3]
-    # R d as products and a sum, not a matmul: a matmul on a GPU follows torch's process-wide TF32 switch
-    # (nerf.mlp_precision tf32 sets it for the MLPs), which rounds R and d to 10-bit mantissas, and on lego
-    # (400 px, f 556) that bends the rays by up to 0.3 px (0.08 px mean; the same bend every step, another per
-    # view). On the CPU the two give the same bits.
+    # R d as products and a sum, not a matmul: a float32 matmul on a GPU follows torch's process-wide TF32
+    # switch (nerf.mlp_precision tf32 sets it for the MLPs), and where cuBLAS then picks a TF32 kernel, R and d
+    # are rounded to 10-bit mantissas: on lego (400 px, f 556) that bends the rays by up to 0.3 px (0.08 px
+    # mean, emulated on the CPU; the same bend every step, another per view). On the CPU the two give the
+    # same bits.
     d = (R * d_cam.unsqueeze(-2)).sum(-1)
     d = d / d.norm(dim=-1, keepdim=True)
     o = c2w[..., :3, 3].expand_as(d)
