@@ -29,6 +29,7 @@ import hashlib
 import importlib
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -250,22 +251,49 @@ def render_time(method, scene, device: torch.device, side: int = 800) -> dict:
     return {"size": f"{intr.width}x{intr.height}", "seconds": best}
 
 
+def profile(method: str, scene, contraction: str = "auto") -> dict:
+    """This script's GPU profile of ``method`` for ``scene``: the keys it lays on params.yaml's reconstruct
+    section (``nerf`` and ``gs`` are merged key by key), with the rules that read the scene (contraction and
+    the distortion loss for captures without alpha)."""
+    if method != "nerf":
+        return {"method": method, **GPU_3DGS, "gs": {"densify": {}}}
+    nerf = dict(GPU_NERF)
+    real = scene.background is None and scene.train.channels == 3
+    if contraction == "on" or (contraction == "auto" and real):
+        nerf.update(CONTRACTED_NERF)
+        if viewing_spread_deg(scene.train.c2w) >= SURROUNDING_DEG:
+            nerf["distortion_loss"] = SURROUNDING_DISTORTION
+    return {"method": method, **GPU_RECONSTRUCT, "nerf": nerf}
+
+
+def profile_sets(prof: dict) -> list[str]:
+    """``prof`` as ``reconstruct.<key>=<value>`` overrides for ``rayforge train -S`` or ``dvc exp run -S``
+    (values in YAML flow style; strings bare where YAML reads them back as the same string)."""
+    out = []
+
+    def value_text(v) -> str:
+        if isinstance(v, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", v) and yaml.safe_load(v) == v:
+            return v
+        return json.dumps(v)
+
+    for key, value in prof.items():
+        if isinstance(value, dict) and value:
+            out += [f"reconstruct.{key}.{k}={value_text(v)}" for k, v in value.items()]
+        else:
+            out.append(f"reconstruct.{key}={value_text(value)}")
+    return out
+
+
 def make_params(method: str, scene, contraction: str, sets: list[str], device: torch.device) -> ReconstructParams:
     """params.yaml's reconstruct section with this script's profile and the --set overrides."""
     data = yaml.safe_load((ROOT / "params.yaml").read_text())["reconstruct"]
-    data.update(method=method, device=device.type, eval_every=10**9, tensorboard=False)
+    data.update(device=device.type, eval_every=10**9, tensorboard=False)
     data["distributed"].update(gpus=1, checkpoint_every=0, replica_check_every=0)
-    if method == "nerf":
-        data.update(GPU_RECONSTRUCT)
-        data["nerf"].update(GPU_NERF)
-        real = scene.background is None and scene.train.channels == 3
-        if contraction == "on" or (contraction == "auto" and real):
-            data["nerf"].update(CONTRACTED_NERF)
-            if viewing_spread_deg(scene.train.c2w) >= SURROUNDING_DEG:
-                data["nerf"]["distortion_loss"] = SURROUNDING_DISTORTION
-    else:
-        data.update(GPU_3DGS)
-        data["gs"]["densify"] = {}
+    for key, value in profile(method, scene, contraction).items():
+        if isinstance(value, dict) and value:
+            data[key].update(value)
+        else:
+            data[key] = value
     for kv in sets:
         key, _, value = kv.partition("=")
         *path, last = key.split(".")
@@ -444,6 +472,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--allow-cpu", action="store_true", help="run on the CPU (a smoke test with tiny budgets)")
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--print-sets", action="store_true",
+                    help="train nothing: print the NeRF profile this script would train the one --poses scene with, "
+                         "as -S flags for rayforge train or dvc exp run (the --set values included)")
     ap.add_argument("--merge", nargs="+", metavar="FILE[=label]",
                     help="train nothing: merge earlier --json files (one GPU kind) into --json; a label marks a "
                          "variant run, named in its rows and left out of the targets")
@@ -460,6 +491,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.poses:
         ap.error("--poses is required (or --merge)")
+    if args.print_sets:
+        if len(args.poses) != 1:
+            ap.error("--print-sets takes one --poses")
+        from stages.reconstruct.data import load_scene
+
+        scene = load_scene(Path(args.poses[0].partition("=")[2] or args.poses[0]), max_side=64)
+        from stages.common.params import ParamsError
+
+        try:
+            make_params("nerf", scene, args.contraction, args.set, torch.device("cpu"))  # a bad --set fails here
+        except ParamsError as exc:
+            raise SystemExit(f"bench_nerf_quality --print-sets: {exc}") from None
+        sets = profile_sets(profile("nerf", scene, args.contraction)) + [f"reconstruct.{kv}" for kv in args.set]
+        print(" ".join(f"-S {kv}" for kv in sets))
+        return 0
     args.budgets = sorted(float(b) for b in args.budgets.split(","))
     if torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())

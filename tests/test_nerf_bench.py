@@ -129,3 +129,34 @@ def test_object_captures_cull_and_march_finer_than_real_ones():
     assert (real.cull_occluded, real.samples_per_ray, real.mlp_init, real.scene_contraction) == (False, 512, "tcnn", "mipnerf360")
     forced = bench.make_params("nerf", scene(3, None), "auto", ["nerf.cull_occluded=true"], torch.device("cpu")).nerf
     assert forced.cull_occluded is True
+
+
+def test_printed_profile_is_what_the_bench_trains(tmp_path, capsys):
+    """--print-sets gives the GPU profile as -S flags: laid on params.yaml the way `rayforge train -S` lays
+    them, they read back as the bench's own NeRF params (its eval/TensorBoard/one-GPU settings aside), --set
+    included; a bad --set is refused with the key named."""
+    import dataclasses
+
+    import torch
+
+    from stages.cli import params_file
+    from stages.common.params import load_section
+    from stages.reconstruct.config import ReconstructParams
+    from stages.reconstruct.data import load_scene
+
+    bench = _bench()
+    poses = _poses(tmp_path)  # a real capture (no alpha): the contracted profile
+    assert bench.main(["--poses", f"tiny={poses}", "--print-sets", "--set", "nerf.ema_decay=0.9"]) == 0
+    words = capsys.readouterr().out.split()
+    assert words[0::2] == ["-S"] * (len(words) // 2)
+    sets = words[1::2]
+    assert "reconstruct.nerf.scene_contraction=mipnerf360" in sets and "reconstruct.nerf.ema_decay=0.9" in sets
+    with params_file(ROOT / "params.yaml", sets, ("reconstruct",)) as path:
+        ours = load_section(ReconstructParams, "reconstruct", path)
+    want = bench.make_params("nerf", load_scene(poses), "auto", ["nerf.ema_decay=0.9"], torch.device("cpu"))
+    assert ours.nerf == want.nerf and (ours.method, ours.steps, ours.batch_rays) == (want.method, want.steps, want.batch_rays)
+    bench_only = {"device", "eval_every", "tensorboard", "distributed"}
+    differ = {f.name for f in dataclasses.fields(ours) if getattr(ours, f.name) != getattr(want, f.name)}
+    assert differ <= bench_only, differ
+    with pytest.raises(SystemExit, match="nerf.seed_x"):
+        bench.main(["--poses", f"tiny={poses}", "--print-sets", "--set", "nerf.seed_x=1"])
