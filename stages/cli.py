@@ -302,5 +302,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def command() -> None:
+    """The ``rayforge`` console script: :func:`main` as the stages' own commands run (``entry.cli``: tied to its
+    parent, and SIGTERM the same clean stop as Ctrl-C, so the ``-S`` params copy is removed on the way out)."""
+    from stages.common.entry import cli as stage_cli
+
+    stage_cli(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()
