@@ -18,6 +18,10 @@ for free (see the README), and its test views are scored on white either way. Re
 known background) train with scene contraction (``--contraction auto``). Needs a CUDA GPU, torch and this
 repository (no DVC, pycolmap or open3d); ``--allow-cpu`` runs it on the CPU with tiny budgets (a smoke test).
 
+``--print-sets`` trains nothing: it prints the profile this script would train one scene with as ``-S``
+flags, to train it in the pipeline (``rayforge train $(python benchmarks/bench_nerf_quality.py --poses
+scene=data/poses --print-sets)``).
+
 Targets (one H200, issue 17): lego >= 33.4 dB at 15 s and >= 35.7 dB at 60 s; test PSNR never drops by more
 than 0.2 dB from one budget to the next; fox and fern within 1 dB of 3DGS at 120 s. Each is printed as
 PASS / FAIL / n/a at the end.
@@ -494,11 +498,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_sets:
         if len(args.poses) != 1:
             ap.error("--print-sets takes one --poses")
+        from stages.common.params import ParamsError
         from stages.reconstruct.data import load_scene
 
         scene = load_scene(Path(args.poses[0].partition("=")[2] or args.poses[0]), max_side=64)
-        from stages.common.params import ParamsError
-
         try:
             make_params("nerf", scene, args.contraction, args.set, torch.device("cpu"))  # a bad --set fails here
         except ParamsError as exc:
