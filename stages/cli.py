@@ -109,28 +109,50 @@ def _paths(ap: argparse.ArgumentParser, *specs: tuple[str, str, str]) -> None:
         ap.add_argument(flag, type=Path, default=Path(default), help=f"{what} (default: {default})")
 
 
+def _records(ap: argparse.ArgumentParser, out_default: str, *specs: tuple[str, str, str]) -> None:
+    """Files a stage writes beside its out (metrics JSON, a training curve): dvc.yaml's paths while --out is
+    dvc.yaml's, else next to the --out given (``<out>.<suffix>``, as the checkpoints' ``<out>.ckpt``), so a
+    run elsewhere leaves the pipeline's tracked records alone."""
+    records = {}
+    for flag, default, suffix in specs:
+        what = "metrics JSON" if suffix.endswith("json") else "training curve CSV"
+        ap.add_argument(flag, type=Path, default=None,
+                        help=f"{what} (default: {default}, or <out>.{suffix} beside an --out other than {out_default})")
+        records[flag.lstrip("-")] = (default, out_default, suffix)
+    ap.set_defaults(records=records)
+
+
+def _record(args: argparse.Namespace, name: str) -> str:
+    """The path of record ``name`` (``metrics``, ``plots``; see :func:`_records`)."""
+    given = getattr(args, name)
+    if given is not None:
+        return str(given)
+    default, out_default, suffix = args.records[name]
+    return default if args.out.resolve() == Path(out_default).resolve() else f"{args.out}.{suffix}"
+
+
 Steps = list[tuple[str, list[str]]]  # (stage module, its argv), run in order
 
 
 def _process_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--photos", type=Path, help="folder of photos (default: ingest.photos of the params)")
     _paths(ap, ("--ingest", "data/ingest", "the ingest stage's out folder"),
-           ("--out", "data/poses", "the poses out folder"),
-           ("--metrics", "data/metrics/poses.json", "pose metrics JSON"))
+           ("--out", "data/poses", "the poses out folder"))
+    _records(ap, "data/poses", ("--metrics", "data/metrics/poses.json", "metrics.json"))
 
 
 def _process(args: argparse.Namespace, params: str, rest: list[str]) -> Steps:
     photos = ["--photos", str(args.photos)] if args.photos else []
     return [("stages.ingest", [*photos, "--out", str(args.ingest), "--params", params]),
-            ("stages.poses", ["--ingest", str(args.ingest), "--out", str(args.out), "--metrics", str(args.metrics),
-                              "--params", params])]
+            ("stages.poses", ["--ingest", str(args.ingest), "--out", str(args.out),
+                              "--metrics", _record(args, "metrics"), "--params", params])]
 
 
 def _train_args(ap: argparse.ArgumentParser) -> None:
     _paths(ap, ("--poses", "data/poses", "the poses stage's out folder"),
-           ("--out", "data/reconstruct", "out folder for the model"),
-           ("--metrics", "data/metrics/reconstruct.json", "training metrics JSON"),
-           ("--plots", "data/plots/train.csv", "training curve CSV"))
+           ("--out", "data/reconstruct", "out folder for the model"))
+    _records(ap, "data/reconstruct", ("--metrics", "data/metrics/reconstruct.json", "metrics.json"),
+             ("--plots", "data/plots/train.csv", "train.csv"))
 
 
 JOB_FILES = ("--write-slurm", "--write-k8s")
@@ -140,20 +162,21 @@ def _train(args: argparse.Namespace, params: str, rest: list[str]) -> Steps:
     if args.S and any(a.split("=")[0] in JOB_FILES for a in rest):
         raise ValueError("-S with --write-slurm / --write-k8s: the job would read a params file that is gone by "
                          "then; put the values in params.yaml")
-    return [("stages.reconstruct", ["--poses", str(args.poses), "--out", str(args.out), "--metrics", str(args.metrics),
-                                    "--plots", str(args.plots), "--params", params, *rest])]
+    return [("stages.reconstruct", ["--poses", str(args.poses), "--out", str(args.out),
+                                    "--metrics", _record(args, "metrics"), "--plots", _record(args, "plots"),
+                                    "--params", params, *rest])]
 
 
 def _eval_args(ap: argparse.ArgumentParser) -> None:
     _paths(ap, ("--poses", "data/poses", "the poses stage's out folder"),
            ("--model", "data/reconstruct", "the reconstruct stage's out folder"),
-           ("--out", "data/evaluate", "out folder for renders and scores"),
-           ("--metrics", "data/metrics/evaluate.json", "metrics JSON"))
+           ("--out", "data/evaluate", "out folder for renders and scores"))
+    _records(ap, "data/evaluate", ("--metrics", "data/metrics/evaluate.json", "metrics.json"))
 
 
 def _eval(args: argparse.Namespace, params: str, rest: list[str]) -> Steps:
     return [("stages.evaluate", ["--poses", str(args.poses), "--model", str(args.model), "--out", str(args.out),
-                                 "--metrics", str(args.metrics), "--params", params])]
+                                 "--metrics", _record(args, "metrics"), "--params", params])]
 
 
 def _render_args(ap: argparse.ArgumentParser) -> None:

@@ -71,6 +71,25 @@ def test_defaults_are_dvc_yamls_commands() -> None:
             assert argv == want_argv, (command, argv, want_argv)
 
 
+def test_records_follow_an_out_given_elsewhere(tmp_path: Path) -> None:
+    """With --out elsewhere, the metrics JSON and training curve go beside it, not onto dvc.yaml's tracked
+    data/metrics and data/plots files (a side run must not change the pipeline's records); an explicit
+    --metrics / --plots wins, and dvc.yaml's --out (however spelled) keeps dvc.yaml's paths."""
+    def argv(*words: str) -> dict[str, str]:
+        c = next(c for c in cli.COMMANDS if c.name == words[0])
+        args, rest = cli.build_parser().parse_known_args(list(words))
+        flat = [w for _, a in c.steps(args, "params.yaml", rest) for w in a]
+        return {flag: flat[flat.index(flag) + 1] for flag in ("--metrics", "--plots") if flag in flat}
+
+    run = tmp_path / "run1"
+    assert argv("train", "--out", str(run)) == {"--metrics": f"{run}.metrics.json", "--plots": f"{run}.train.csv"}
+    assert argv("train", "--out", str(run), "--metrics", "m.json") == {"--metrics": "m.json", "--plots": f"{run}.train.csv"}
+    assert argv("train", "--out", "./data/reconstruct/") == {"--metrics": "data/metrics/reconstruct.json",
+                                                              "--plots": "data/plots/train.csv"}
+    assert argv("eval", "--out", str(run)) == {"--metrics": f"{run}.metrics.json"}
+    assert argv("process", "--out", str(run)) == {"--metrics": f"{run}.metrics.json"}
+
+
 def test_set_writes_a_temporary_params_file_and_never_params_yaml(tmp_path: Path) -> None:
     params = tmp_path / "params.yaml"
     params.write_text("# mine\nreconstruct:\n  steps: 10\n")
