@@ -109,13 +109,12 @@ def _paths(ap: argparse.ArgumentParser, *specs: tuple[str, str, str]) -> None:
         ap.add_argument(flag, type=Path, default=Path(default), help=f"{what} (default: {default})")
 
 
-def _records(ap: argparse.ArgumentParser, out_default: str, *specs: tuple[str, str, str]) -> None:
+def _records(ap: argparse.ArgumentParser, out_default: str, *specs: tuple[str, str, str, str]) -> None:
     """Files a stage writes beside its out (metrics JSON, a training curve): dvc.yaml's paths while --out is
     dvc.yaml's, else next to the --out given (``<out>.<suffix>``, as the checkpoints' ``<out>.ckpt``), so a
     run elsewhere leaves the pipeline's tracked records alone."""
     records = {}
-    for flag, default, suffix in specs:
-        what = "metrics JSON" if suffix.endswith("json") else "training curve CSV"
+    for flag, default, suffix, what in specs:
         ap.add_argument(flag, type=Path, default=None,
                         help=f"{what} (default: {default}, or <out>.{suffix} beside an --out other than {out_default})")
         records[flag.lstrip("-")] = (default, out_default, suffix)
@@ -138,7 +137,7 @@ def _process_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--photos", type=Path, help="folder of photos (default: ingest.photos of the params)")
     _paths(ap, ("--ingest", "data/ingest", "the ingest stage's out folder"),
            ("--out", "data/poses", "the poses out folder"))
-    _records(ap, "data/poses", ("--metrics", "data/metrics/poses.json", "metrics.json"))
+    _records(ap, "data/poses", ("--metrics", "data/metrics/poses.json", "metrics.json", "pose metrics JSON"))
 
 
 def _process(args: argparse.Namespace, params: str, rest: list[str]) -> Steps:
@@ -151,8 +150,8 @@ def _process(args: argparse.Namespace, params: str, rest: list[str]) -> Steps:
 def _train_args(ap: argparse.ArgumentParser) -> None:
     _paths(ap, ("--poses", "data/poses", "the poses stage's out folder"),
            ("--out", "data/reconstruct", "out folder for the model"))
-    _records(ap, "data/reconstruct", ("--metrics", "data/metrics/reconstruct.json", "metrics.json"),
-             ("--plots", "data/plots/train.csv", "train.csv"))
+    _records(ap, "data/reconstruct", ("--metrics", "data/metrics/reconstruct.json", "metrics.json", "training metrics JSON"),
+             ("--plots", "data/plots/train.csv", "train.csv", "training curve CSV"))
 
 
 JOB_FILES = ("--write-slurm", "--write-k8s")
@@ -171,7 +170,7 @@ def _eval_args(ap: argparse.ArgumentParser) -> None:
     _paths(ap, ("--poses", "data/poses", "the poses stage's out folder"),
            ("--model", "data/reconstruct", "the reconstruct stage's out folder"),
            ("--out", "data/evaluate", "out folder for renders and scores"))
-    _records(ap, "data/evaluate", ("--metrics", "data/metrics/evaluate.json", "metrics.json"))
+    _records(ap, "data/evaluate", ("--metrics", "data/metrics/evaluate.json", "metrics.json", "metrics JSON"))
 
 
 def _eval(args: argparse.Namespace, params: str, rest: list[str]) -> Steps:

@@ -65,8 +65,8 @@ class NerfParams:
     # L2 on the MLP weights (torch Adam's weight_decay: added to the gradient), none on the table. Off: 1e-6
     # (instant-ngp's l2_reg) cost lego 0.79 dB at 5000 steps (33.83 against 34.62) and 0.8 dB at 60 s, fox 0.46
     # at 120 s, fern nothing (one H100, 2026-12-07). nerfacc's example barely feels its own 1e-6, as its
-    # gradients reach Adam 1024 times the loss's (GradScaler); given ours it fell from 35.24 to 31.71 dB.
-    # Presumably the data's gradients on the MLPs grow small enough late in training for 1e-6 to pull as hard
+    # gradients reach Adam 1024 times the loss's (GradScaler); given ours it fell from 35.24 to 31.71 dB,
+    # presumably as late in training the MLPs' gradients from the data grow small enough for 1e-6 to pull as hard.
     weight_decay: float = 0.0
     # Adam's second-moment decay for the table and the MLPs: instant-ngp's 0.99. torch's default 0.999,
     # which nerfacc's instant-ngp example keeps, scored 33.80 / 33.86 dB on lego at 46 s, alone / with
