@@ -92,8 +92,10 @@ GPU_RECONSTRUCT = {"batch_rays": 8192, "steps": 25_000}
 # the box then takes the middle half of the hash grid per axis, so the finest level doubles, and the march
 # step is that of instant-ngp's 512 steps across the box. No culling there: with it fox scored 31.56 / 31.73 /
 # 31.83 dB at 30 / 60 / 120 s, without 31.62 / 32.11 / 32.38; fern 27.76 / 27.83 / 27.66 with, 27.75 / 28.00 /
-# 28.07 without (one H100, 2026-12-07, gpu_session.sh part bb and two runs after it on the same machine)
-CONTRACTED_NERF = {"scene_contraction": "mipnerf360", "max_resolution": 4096, "samples_per_ray": 512,
+# 28.07 without (one H100, 2026-12-07, gpu_session.sh part bb and two runs after it on the same machine).
+# The finest level "auto" is 4096 with contraction (2048 over the box), and with --set
+# nerf.scene_contraction=cascades (instant-ngp's occupancy cascades instead) 2048 x aabb_scale
+CONTRACTED_NERF = {"scene_contraction": "mipnerf360", "max_resolution": "auto", "samples_per_ray": 512,
                    "cull_occluded": False, "mlp_precision": "tf32"}
 # captures that go around their subject (the widest angle between two views' axes at least this, fox: 98
 # degrees) get mip-NeRF 360's distortion loss at this weight, as mip-NeRF 360 uses it on its 360 scenes;

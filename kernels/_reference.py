@@ -149,11 +149,43 @@ def uncontract_reference(x: torch.Tensor, aabb: torch.Tensor) -> torch.Tensor:
     return (lo + hi) * 0.5 + u * ((hi - lo) * 0.5)
 
 
+def cascade_box_reference(aabb: torch.Tensor, cascades: int) -> torch.Tensor:
+    """[2, 3] the outermost of ``cascades`` nested boxes around ``aabb`` (instant-ngp's ``aabb_scale``
+    = 2^(cascades - 1)): box k is ``aabb`` scaled by 2^k about its centre. Rounded as the kernel."""
+    lo, hi = aabb[0], aabb[1]
+    centre = (lo + hi) * 0.5
+    half = (hi - lo) * 0.5 * float(2 ** (cascades - 1))  # a power of two: exact
+    return torch.stack([centre - half, centre + half])
+
+
+def cascade_level_reference(points: torch.Tensor, aabb: torch.Tensor, cascades: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(level [N] int64, u [N, 3]) of points [N, 3] among ``cascades`` nested boxes around ``aabb``
+    (:func:`cascade_box_reference`): the smallest box k that holds the point (points outside every
+    box: the last), and the point's coordinates in that box, [-1, 1] per axis inside it. Only
+    comparisons with powers of two and scalings by them: exact, as in the kernel."""
+    lo, hi = aabb[0], aabb[1]
+    centre = (lo + hi) * 0.5
+    half = (hi - lo) * 0.5
+    u = (points - centre) / half
+    n = u.abs().amax(dim=-1)
+    level = torch.zeros(points.shape[0], dtype=torch.int64, device=points.device)
+    for k in range(cascades - 1):
+        level += (n > float(2**k)).long()
+    scale = torch.ldexp(torch.ones_like(n), -level.to(torch.int32))  # 2^-level, exact
+    return level, u * scale[:, None]
+
+
 def occupancy_cell_reference(points: torch.Tensor, aabb: torch.Tensor, resolution: int,
-                             contract: bool = False) -> torch.Tensor:
+                             contract: bool = False, cascades: int = 0) -> torch.Tensor:
     """Flat cell [N] (int64) of points [N, 3] in a ``resolution``^3 grid over ``aabb`` (clamped), or
-    with ``contract`` over the contracted space (:func:`contract_reference`)."""
+    with ``contract`` over the contracted space (:func:`contract_reference`), or with ``cascades`` > 0
+    in the grid of the smallest of the nested boxes that holds the point, grid k's cells after the
+    k r^3 cells of the grids inside it (:func:`cascade_level_reference`)."""
     r = resolution
+    if cascades > 0:
+        level, u = cascade_level_reference(points, aabb, cascades)
+        ijk = (((u + 1.0) * 0.5) * r).long().clamp(0, r - 1)
+        return level * r**3 + (ijk[:, 0] * r + ijk[:, 1]) * r + ijk[:, 2]
     xn = contract_reference(points, aabb) if contract else (points - aabb[0]) / (aabb[1] - aabb[0])
     ijk = (xn * r).long().clamp(0, r - 1)
     return (ijk[:, 0] * r + ijk[:, 1]) * r + ijk[:, 2]
@@ -165,7 +197,8 @@ FAR_RATIO = 1e-3
 
 
 def march_steps_reference(origins: torch.Tensor, dirs: torch.Tensor, jitter: torch.Tensor, aabb: torch.Tensor,
-                          dt: float, max_samples: int, near: float = 0.0, contract: bool = False):
+                          dt: float, max_samples: int, near: float = 0.0, contract: bool = False,
+                          cascades: int = 0, cone: float = 0.0):
     """Sample distances along rays before occupancy culling: (t [R, S], step [R, S] or None,
     valid [R, S]) for S = ``max_samples`` steps (``valid`` is a prefix of each row).
 
@@ -178,8 +211,16 @@ def march_steps_reference(origins: torch.Tensor, dirs: torch.Tensor, jitter: tor
     for the k-th one with ``dd = dt / T1^2`` (so the step length ``dd t^2`` starts at dt) while
     ``1/t`` stays above ``FAR_RATIO / T1``, as mip-NeRF 360's sampling in disparity beyond the
     inner region (and nerfstudio's lin-disp sampler).
+
+    Cascades (``cascades`` > 0, instant-ngp's ``aabb_scale`` = 2^(cascades - 1)): the ray runs
+    through the outermost box (:func:`cascade_box_reference`) with a step that grows with the
+    distance, ``step(t) = max(dt, cone t)`` (instant-ngp's cone tracing; ``cone`` 1/256 in its
+    unbounded scenes): ``t_0 = tmin + jitter step(tmin)``, ``t_(s+1) = t_s + step(t_s)`` while
+    ``t_s`` is before the exit. One step at a time, as the kernel takes them, so both round alike.
     """
     R = origins.shape[0]
+    if cascades > 0:
+        return _cone_steps(origins, dirs, jitter, cascade_box_reference(aabb, cascades), dt, max_samples, near, cone)
     s = torch.arange(max_samples, device=origins.device, dtype=origins.dtype)
     j = jitter.reshape(R, 1)
     tmin, tmax = ray_box_reference(origins, dirs, aabb, near)
@@ -205,13 +246,31 @@ def march_steps_reference(origins: torch.Tensor, dirs: torch.Tensor, jitter: tor
     return t, step, lin | far
 
 
+def _cone_steps(origins, dirs, jitter, box, dt: float, max_samples: int, near: float, cone: float):
+    """:func:`march_steps_reference` through the cascades' outer ``box``: steps ``max(dt, cone t)``."""
+    R = origins.shape[0]
+    tmin, tmax = ray_box_reference(origins, dirs, box, near)
+    dt_, cone_ = (torch.tensor(v, dtype=origins.dtype, device=origins.device) for v in (dt, cone))
+    ts, steps = [], []
+    t = tmin + jitter.reshape(R) * torch.maximum(dt_, tmin * cone_)
+    for _ in range(max_samples):
+        step = torch.maximum(dt_, t * cone_)
+        ts.append(t)
+        steps.append(step)
+        t = t + step
+    t, step = torch.stack(ts, 1), torch.stack(steps, 1)
+    return t, step, t < tmax[:, None]
+
+
 def march_rays_reference(origins: torch.Tensor, dirs: torch.Tensor, jitter: torch.Tensor,
                          aabb: torch.Tensor, occupancy: torch.Tensor | None, dt: float,
-                         max_samples: int, near: float = 0.0, contract: bool = False):
+                         max_samples: int, near: float = 0.0, contract: bool = False,
+                         cascades: int = 0, cone: float = 0.0):
     """Samples of rays [R, 3] at the distances of :func:`march_steps_reference` (box: ``t = tmin +
     (s + jitter) * dt`` for s < max_samples inside the box; ``contract``: linear, then uniform in
-    disparity), kept where their cell of ``occupancy`` ([r, r, r] or [r^3] bool; None: all) is set
-    (cells over the contracted space with ``contract``).
+    disparity; ``cascades``: steps growing with t through the outermost box), kept where their cell
+    of ``occupancy`` ([r, r, r] or [r^3] bool, [cascades r^3] with ``cascades``; None: all) is set
+    (cells over the contracted space with ``contract``, :func:`occupancy_cell_reference`).
 
     Returns:
         (ray_index [S] int64, t [S], points [S, 3], offsets [R] int64, counts [R] int32, step [S] or
@@ -219,11 +278,12 @@ def march_rays_reference(origins: torch.Tensor, dirs: torch.Tensor, jitter: torc
         counts[i] - 1``; ``step`` holds each sample's step length (None: all ``dt``).
     """
     R = origins.shape[0]
-    t, step, valid = march_steps_reference(origins, dirs, jitter, aabb, dt, max_samples, near, contract)
+    t, step, valid = march_steps_reference(origins, dirs, jitter, aabb, dt, max_samples, near, contract,
+                                           cascades, cone)
     pts = origins[:, None, :] + t[..., None] * dirs[:, None, :]
     if occupancy is not None:
-        r = round(occupancy.numel() ** (1 / 3))
-        cells = occupancy_cell_reference(pts.reshape(-1, 3), aabb, r, contract)
+        r = round((occupancy.numel() // max(1, cascades)) ** (1 / 3))
+        cells = occupancy_cell_reference(pts.reshape(-1, 3), aabb, r, contract, cascades)
         valid = valid & occupancy.reshape(-1)[cells].view(R, max_samples)
     ray, k = valid.nonzero(as_tuple=True)
     counts = torch.bincount(ray, minlength=R).to(torch.int32)
@@ -231,7 +291,8 @@ def march_rays_reference(origins: torch.Tensor, dirs: torch.Tensor, jitter: torc
     return ray, t[ray, k], pts[ray, k], offsets, counts, None if step is None else step[ray, k]
 
 
-def distortion_coords(t: torch.Tensor, steps: torch.Tensor | None, base_step: float) -> torch.Tensor:
+def distortion_coords(t: torch.Tensor, steps: torch.Tensor | None, base_step: float,
+                      cone: bool = False) -> torch.Tensor:
     """The distortion loss's coordinate u [same shape as t], in float64, of samples at distances ``t``
     with march steps ``steps`` (None: box rays, every step ``base_step``; then u = t).
 
@@ -241,11 +302,19 @@ def distortion_coords(t: torch.Tensor, steps: torch.Tensor | None, base_step: fl
     march step is ``base_step`` in u: mip-NeRF 360's normalised ray distance (linear, then linear
     in disparity) in the box's units. Measured in metric t instead, the background's far samples
     dominate the sum (fern fell from ~28 to 20.3 dB with the term at 0.001, one H200, 2026-12-04).
+
+    ``cone``: rays through cascades (:func:`march_steps_reference`), whose step is ``max(dt, c t)``.
+    There ``u`` is t while the step is dt, and ``T (1 + ln(t / T))`` past ``T = dt / c``, written with
+    the step alone as ``(dt t / step) (1 + ln(step / dt))``: again each march step is dt in u (du/dt
+    = dt / step), now logarithmic in t past T.
     """
     t64 = t.double()
     if steps is None:
         return t64
     base = torch.tensor(base_step, dtype=torch.float32).double()  # the kernels' float argument
+    if cone:
+        ratio = (steps.double() / base).clamp(min=1.0)
+        return t64 / ratio * (1.0 + torch.log(ratio))
     r = torch.sqrt(base / steps.double()).clamp(max=1.0)
     return t64 * (2.0 * r - r * r)
 
@@ -265,7 +334,7 @@ def distortion_reference(w: torch.Tensor, u: torch.Tensor, dt) -> torch.Tensor:
 
 def composite_reference(sigma: torch.Tensor, rgb: torch.Tensor, t: torch.Tensor, offsets: torch.Tensor,
                         counts: torch.Tensor, dt: float | torch.Tensor, distortion: bool = False,
-                        base_step: float | None = None) -> tuple[torch.Tensor, ...]:
+                        base_step: float | None = None, cone: bool = False) -> tuple[torch.Tensor, ...]:
     """Front-to-back alpha compositing of packed samples (ray i: ``offsets[i] ..`` ``counts[i]`` of
     them): alpha = 1 - exp(-sigma dt), w_i = alpha_i prod_{j<i} (1 - alpha_j + 1e-10); ``dt`` one
     step for all samples or one per sample [S].
@@ -274,7 +343,7 @@ def composite_reference(sigma: torch.Tensor, rgb: torch.Tensor, t: torch.Tensor,
         color [R, 3] (sum w rgb, no background), opacity [R] (sum w), depth [R] (sum w t), and with
         ``distortion`` each ray's distortion [R] (:func:`distortion_reference` of its weights, in the
         coordinates :func:`distortion_coords` gives with ``base_step``, the march's step, which a
-        per-sample ``dt`` needs; with a number ``dt`` it is that number);
+        per-sample ``dt`` needs, and ``cone``, steps of cascades; with a number ``dt`` it is that number);
         differentiable in ``sigma`` and ``rgb``. Rays are composited in a dense [R, longest ray]
         layout, so one ray's values never mix into another's sums.
     """
@@ -299,7 +368,8 @@ def composite_reference(sigma: torch.Tensor, rgb: torch.Tensor, t: torch.Tensor,
     if per_sample and base_step is None:
         raise ValueError("composite_reference: per-sample steps need base_step (the march's step) for the distortion")
     base = base_step if per_sample else dt
-    return (*out, distortion_reference(w, distortion_coords(dense_t, dt if per_sample else None, base), base))
+    u = distortion_coords(dense_t, dt if per_sample else None, base, cone)
+    return (*out, distortion_reference(w, u, base))
 
 
 # ---------------------------------------------------------------- optimiser (csrc/adam.cu)

@@ -27,8 +27,9 @@ from ._reference import FAR_RATIO, composite_reference, march_rays_reference
 from .hashgrid import _check_tensor, _use_kernels
 
 BLOCK_SIZE = 128
-_NAMES = ["march_rays<false, false>", "march_rays<true, false>", "march_rays<false, true>", "march_rays<true, true>",
-          "composite_fwd", "composite_bwd"]
+_SPACES = {"box": 0, "contract": 1, "cascades": 2}  # march_rays' SPACE (csrc/render.cu)
+_NAMES = [f"march_rays<{w}, {k}>" for k in _SPACES.values() for w in ("false", "true")] + ["composite_fwd",
+                                                                                          "composite_bwd"]
 _program: KernelProgram | None = None
 
 
@@ -55,7 +56,7 @@ class Samples(NamedTuple):
     offsets: torch.Tensor  # [R] int64
     counts: torch.Tensor  # [R] int32
     total: torch.Tensor | None = None  # 0-d int64 on the rays' device: samples before any capacity cut
-    steps: torch.Tensor | None = None  # [S] float32 step length of each sample (contracted); None: all dt
+    steps: torch.Tensor | None = None  # [S] float32 step length of each sample (contracted, cascades); None: all dt
 
 
 def _fit_capacity(ray_index, t, points, offsets, counts, steps, capacity: int) -> Samples:
@@ -84,20 +85,25 @@ def _check(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device)
 
 def march_rays(origins: torch.Tensor, dirs: torch.Tensor, jitter: torch.Tensor, aabb: torch.Tensor,
                occupancy: torch.Tensor | None, dt: float, max_samples: int, near: float = 0.0, *,
-               capacity: int | None = None, contract: bool = False, use_kernels: bool | None = None) -> Samples:
+               capacity: int | None = None, contract: bool = False, cascades: int = 0, cone: float = 0.0,
+               use_kernels: bool | None = None) -> Samples:
     """Samples along rays at a fixed step, inside the box and in occupied cells.
 
     Sample s of a ray (0 <= s < max_samples) sits at ``t = tmin + (s + jitter) * dt`` (tmin: where the
     ray enters ``aabb``, at least ``near``) and is kept while ``t`` is before the exit and its cell
     of ``occupancy`` is set (cells as ``OccupancyGrid.cell_index``). With ``contract`` the ray runs
     on past the box, through the contracted scene (``_reference.march_steps_reference``: linear
-    steps, then steps uniform in disparity) and ``Samples.steps`` holds each sample's step.
+    steps, then steps uniform in disparity) and ``Samples.steps`` holds each sample's step. With
+    ``cascades`` > 0 (instant-ngp's occupancy cascades, ``aabb_scale`` = 2^(cascades - 1)) the ray runs
+    through the outermost of the nested boxes around ``aabb`` with steps ``max(dt, cone t)``, cells are
+    those of the smallest box holding the sample (``_reference.occupancy_cell_reference``), and
+    ``Samples.steps`` holds each sample's step.
 
     Args:
         origins, dirs: [R, 3] float32 (unit directions).
         jitter: [R] float32 in [0, 1) (0.5 = cell midpoints).
         aabb: [2, 3] float32 box (min corner, max corner).
-        occupancy: bool grid with r^3 entries (any shape), or None for no culling.
+        occupancy: bool grid with r^3 entries (any shape; cascades r^3 with ``cascades``), or None.
         dt: march step; max_samples: samples per ray at most; near: minimum t.
         capacity: a fixed number of sample rows instead of exactly as many as there are: no host
             sync (the kernels' sample count stays on the device) and the same shapes every call, so
@@ -114,19 +120,28 @@ def march_rays(origins: torch.Tensor, dirs: torch.Tensor, jitter: torch.Tensor, 
     _check("dirs", dirs, (R, 3), torch.float32, dev)
     _check("jitter", jitter, (R,), torch.float32, dev)
     _check("aabb", aabb, (2, 3), torch.float32, dev)
+    if contract and cascades:
+        raise ValueError("march_rays: contract and cascades exclude each other")
+    if isinstance(cascades, bool) or not isinstance(cascades, int) or not 0 <= cascades <= 16:
+        raise ValueError(f"cascades must be an int in [0, 16], got {cascades!r}")
+    if cascades and not cone >= 0:
+        raise ValueError(f"cone must be >= 0, got {cone}")
     r = 0
     if occupancy is not None:
         if not isinstance(occupancy, torch.Tensor) or occupancy.dtype != torch.bool or occupancy.device != dev:
             raise ValueError(f"occupancy must be a bool tensor on {dev}")
-        r = round(occupancy.numel() ** (1 / 3))
-        if r**3 != occupancy.numel() or r < 1:
-            raise ValueError(f"occupancy must have r^3 cells, got {occupancy.numel()}")
+        levels = max(1, cascades)
+        r = round((occupancy.numel() // levels) ** (1 / 3))
+        if levels * r**3 != occupancy.numel() or r < 1:
+            what = "r^3" if cascades == 0 else f"{cascades} r^3"
+            raise ValueError(f"occupancy must have {what} cells, got {occupancy.numel()}")
     if not (dt > 0) or int(max_samples) < 1:
         raise ValueError(f"dt must be > 0 and max_samples >= 1, got {dt}, {max_samples}")
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
         raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
     if not _use_kernels(dev, use_kernels):
-        *out, steps = march_rays_reference(origins, dirs, jitter, aabb, occupancy, dt, max_samples, near, contract)
+        *out, steps = march_rays_reference(origins, dirs, jitter, aabb, occupancy, dt, max_samples, near, contract,
+                                           cascades, cone)
         if capacity is None:
             return Samples(*out, total=torch.tensor(out[0].shape[0], device=dev), steps=steps)
         return _fit_capacity(*out, steps, capacity)
@@ -138,8 +153,9 @@ def march_rays(origins: torch.Tensor, dirs: torch.Tensor, jitter: torch.Tensor, 
     grid = (max(1, -(-R // BLOCK_SIZE)),)
     common = [(origins.data_ptr(), ptr), (dirs.data_ptr(), ptr), (jitter.data_ptr(), ptr),
               (box.data_ptr(), ptr), (0 if occ is None else occ.data_ptr(), ptr), (r, i32),
-              (float(dt), f32), (int(max_samples), i32), (float(near), f32), (FAR_RATIO, f32), (R, u32)]
-    mode = "true" if contract else "false"
+              (float(dt), f32), (int(max_samples), i32), (float(near), f32), (FAR_RATIO, f32),
+              (int(cascades), i32), (float(cone), f32), (R, u32)]
+    mode = _SPACES["contract" if contract else "cascades" if cascades else "box"]
     if R:
         prog.launch(f"march_rays<false, {mode}>", grid, (BLOCK_SIZE,),
                     common + [(counts.data_ptr(), ptr), (0, ptr), (0, i64), (0, ptr), (0, ptr), (0, ptr), (0, ptr)],
@@ -155,7 +171,7 @@ def march_rays(origins: torch.Tensor, dirs: torch.Tensor, jitter: torch.Tensor, 
     ray_index = alloc(rows, dtype=torch.int64, device=dev)
     t = alloc(rows, dtype=torch.float32, device=dev)
     points = alloc(rows, 3, dtype=torch.float32, device=dev)
-    steps = alloc(rows, dtype=torch.float32, device=dev) if contract else None
+    steps = alloc(rows, dtype=torch.float32, device=dev) if contract or cascades else None
     if R and rows:
         prog.launch(f"march_rays<true, {mode}>", grid, (BLOCK_SIZE,),
                     common + [(counts.data_ptr(), ptr), (offsets.data_ptr(), ptr), (rows, i64),
@@ -167,7 +183,7 @@ def march_rays(origins: torch.Tensor, dirs: torch.Tensor, jitter: torch.Tensor, 
 
 class _Composite(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, sigma, rgb, t, offsets, counts, dt, steps, with_distortion):
+    def forward(ctx, sigma, rgb, t, offsets, counts, dt, steps, with_distortion, cone):
         R = counts.shape[0]
         dev = sigma.device
         color = torch.empty(R, 3, dtype=torch.float32, device=dev)
@@ -179,13 +195,13 @@ class _Composite(torch.autograd.Function):
             program().launch("composite_fwd", (-(-R // BLOCK_SIZE),), (BLOCK_SIZE,),
                              [(sigma.data_ptr(), ptr), (rgb.data_ptr(), ptr), (t.data_ptr(), ptr),
                               (offsets.data_ptr(), ptr), (counts.data_ptr(), ptr), (float(dt), f32),
-                              (0 if steps is None else steps.data_ptr(), ptr), (R, u32),
+                              (0 if steps is None else steps.data_ptr(), ptr), (int(cone), i32), (R, u32),
                               (color.data_ptr(), ptr), (opacity.data_ptr(), ptr), (depth.data_ptr(), ptr),
                               (0 if dist is None else dist.data_ptr(), ptr),
                               (0 if dist_u is None else dist_u.data_ptr(), ptr)],
                              device=dev)
         ctx.save_for_backward(sigma, rgb, t, offsets, counts, steps, opacity, dist_u)
-        ctx.dt = dt
+        ctx.dt, ctx.cone = dt, cone
         if dist is None:
             return color, opacity, depth
         return color, opacity, depth, dist
@@ -206,17 +222,17 @@ class _Composite(torch.autograd.Function):
             program().launch("composite_bwd", (-(-R // BLOCK_SIZE),), (BLOCK_SIZE,),
                              [(sigma.data_ptr(), ptr), (rgb.data_ptr(), ptr), (t.data_ptr(), ptr),
                               (offsets.data_ptr(), ptr), (counts.data_ptr(), ptr), (float(ctx.dt), f32),
-                              (0 if steps is None else steps.data_ptr(), ptr), (R, u32),
+                              (0 if steps is None else steps.data_ptr(), ptr), (int(ctx.cone), i32), (R, u32),
                               (g_color.data_ptr(), ptr), (g_opacity.data_ptr(), ptr), (g_depth.data_ptr(), ptr),
                               (0 if g_dist is None else g_dist.data_ptr(), ptr),
                               (opacity.data_ptr(), ptr), (0 if dist_u is None else dist_u.data_ptr(), ptr),
                               (g_sigma.data_ptr(), ptr), (g_rgb.data_ptr(), ptr)], device=dev)
-        return g_sigma, g_rgb, None, None, None, None, None, None
+        return g_sigma, g_rgb, None, None, None, None, None, None, None
 
 
 def composite(sigma: torch.Tensor, rgb: torch.Tensor, t: torch.Tensor, offsets: torch.Tensor,
               counts: torch.Tensor, dt: float, *, steps: torch.Tensor | None = None, distortion: bool = False,
-              use_kernels: bool | None = None) -> tuple[torch.Tensor, ...]:
+              cone: bool = False, use_kernels: bool | None = None) -> tuple[torch.Tensor, ...]:
     """Front-to-back alpha compositing of packed samples (see :class:`Samples`).
 
     ``alpha_i = 1 - exp(-sigma_i dt)``, ``w_i = alpha_i prod_{j<i} (1 - alpha_j + 1e-10)``.
@@ -228,7 +244,8 @@ def composite(sigma: torch.Tensor, rgb: torch.Tensor, t: torch.Tensor, offsets: 
         distortion: also each ray's distortion (mip-NeRF 360, eq. 15), ``sum_ij w_i w_j |u_i - u_j| +
             1/3 sum_i w_i^2 dt``, computed in the same pass over the samples, ray by ray, in the march
             coordinate u (``t`` on box rays; with ``steps``, linear then linear in disparity:
-            ``_reference.distortion_coords``); ``_reference.distortion_reference`` is the formula.
+            ``_reference.distortion_coords``; ``cone``: the steps are those of cascades, and u is
+            linear, then logarithmic in t); ``_reference.distortion_reference`` is the formula.
 
     Returns:
         color [R, 3] = sum w rgb (the caller adds ``(1 - opacity) * background``), opacity [R] = sum w,
@@ -246,7 +263,7 @@ def composite(sigma: torch.Tensor, rgb: torch.Tensor, t: torch.Tensor, offsets: 
         _check("steps", steps, (S,), torch.float32, dev)
     if not _use_kernels(dev, use_kernels):
         return composite_reference(sigma, rgb, t, offsets, counts, dt if steps is None else steps,
-                                   distortion=distortion, base_step=float(dt))
+                                   distortion=distortion, base_step=float(dt), cone=cone)
     return _Composite.apply(sigma.contiguous(), rgb.contiguous(), t.contiguous(), offsets.contiguous(),
                             counts.contiguous(), float(dt), None if steps is None else steps.contiguous(),
-                            bool(distortion))
+                            bool(distortion), bool(cone))

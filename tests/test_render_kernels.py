@@ -135,10 +135,11 @@ def test_march_kernel_keeps_exactly_the_reference_samples(n, r):
             assert a.dtype == b.dtype and torch.equal(a, b), (name, occ is not None)
 
 
-def composite_case(device, n_rays: int = 5000, seed: int = 11, contracted: bool = False):
+def composite_case(device, n_rays: int = 5000, seed: int = 11, contracted: bool = False, cone: bool = False):
     """Packed samples of ``n_rays`` rays with 0 to 299 samples each (the first three 0, 1 and 299):
     sigma up to 50, t ascending in each ray over [0, 2); ``contracted``: each sample its own step, growing
-    geometrically out to ~1000 times the first, as contracted rays' steps do. Returns (sigma, rgb, t,
+    geometrically out to ~1000 times the first, as contracted rays' steps do; ``cone``: steps max(0.01, t / 64)
+    one after the other from t in [0, 1), as rays through occupancy cascades take them. Returns (sigma, rgb, t,
     offsets, counts, steps or None, the cotangents of color, opacity, depth and distortion)."""
     g = torch.Generator(device=device).manual_seed(seed)
     counts = torch.randint(0, 300, (n_rays,), device=device, generator=g, dtype=torch.int32)
@@ -149,7 +150,15 @@ def composite_case(device, n_rays: int = 5000, seed: int = 11, contracted: bool 
     rgb = torch.rand(n, 3, device=device, generator=g).requires_grad_()
     steps = None
     pos = torch.arange(n, device=device) - torch.repeat_interleave(offsets, counts.long())
-    if contracted:
+    if cone:
+        ray = torch.repeat_interleave(torch.arange(n_rays, device=device), counts.long())
+        tr, ts, st = torch.rand(n_rays, device=device, generator=g), [], []
+        for _ in range(int(counts.max())):
+            st.append(torch.clamp(tr / 64.0, min=0.01))
+            ts.append(tr)
+            tr = tr + st[-1]
+        t, steps = torch.stack(ts, 1)[ray, pos], torch.stack(st, 1)[ray, pos]
+    elif contracted:
         steps = 0.01 * 1.024 ** pos.float() * (0.5 + torch.rand(n, device=device, generator=g))
         ray = torch.repeat_interleave(torch.arange(n_rays, device=device), counts.long())
         run = torch.cumsum(steps.double(), 0)  # in double: the running sum over all rays reaches ~1e6
@@ -162,15 +171,17 @@ def composite_case(device, n_rays: int = 5000, seed: int = 11, contracted: bool 
     return sigma, rgb, t.contiguous(), offsets, counts, steps, cots
 
 
-def composite_kernel_matches_the_twin(device, distortion: bool, contracted: bool, n_rays: int = 5000):
+def composite_kernel_matches_the_twin(device, distortion: bool, contracted: bool, n_rays: int = 5000,
+                                      cone: bool = False):
     """The compositing kernels against ``composite_reference``: outputs and the gradients of sigma and
-    rgb under random cotangents (the body of the GPU test and of its host build, test_render_kernels_on_host)."""
-    sigma, rgb, t, offsets, counts, steps, cots = composite_case(device, n_rays, contracted=contracted)
+    rgb under random cotangents (the body of the GPU test and of its host build, test_render_kernels_on_host);
+    ``cone``: the per-sample steps are read as those of occupancy cascades (the distortion's coordinate)."""
+    sigma, rgb, t, offsets, counts, steps, cots = composite_case(device, n_rays, contracted=contracted, cone=cone)
     cots = cots if distortion else cots[:3]
     results = []
     for use in (True, False):
         outs = kernels.composite(sigma, rgb, t, offsets, counts, 0.01, steps=steps, distortion=distortion,
-                                 use_kernels=use)
+                                 cone=cone, use_kernels=use)
         assert len(outs) == len(cots)
         grads = torch.autograd.grad(outs, (sigma, rgb), cots)
         results.append((outs, grads))

@@ -15,20 +15,34 @@
 // Entry and exit distances of the ray with the box lo = aabb[0..2], hi = aabb[3..5], as
 // stages/reconstruct/nerf/render.py ray_aabb: direction components below 1e-9 in magnitude are
 // replaced by +1e-9; entry clamped to >= near. Exit <= entry means a miss.
-__device__ __forceinline__ void ray_box(const float (&o)[3], const float (&d)[3], const float* __restrict__ aabb,
+__device__ __forceinline__ void ray_box(const float (&o)[3], const float (&d)[3], const float (&box)[6],
                                         float near, float& tmin, float& tmax) {
   float lo = -__int_as_float(0x7f800000), hi = __int_as_float(0x7f800000);  // -inf, +inf (no <cmath> in NVRTC)
 #pragma unroll
   for (int k = 0; k < 3; ++k) {
     const float dk = fabsf(d[k]) < 1e-9f ? 1e-9f : d[k];
     const float inv = __fdiv_rn(1.0f, dk);
-    const float t0 = __fmul_rn(__fsub_rn(__ldg(aabb + k), o[k]), inv);
-    const float t1 = __fmul_rn(__fsub_rn(__ldg(aabb + 3 + k), o[k]), inv);
+    const float t0 = __fmul_rn(__fsub_rn(box[k], o[k]), inv);
+    const float t1 = __fmul_rn(__fsub_rn(box[3 + k], o[k]), inv);
     lo = fmaxf(lo, fminf(t0, t1));
     hi = fminf(hi, fmaxf(t0, t1));
   }
   tmin = fmaxf(lo, near);
   tmax = hi;
+}
+
+// The outermost of `cascades` nested boxes around aabb (box k: aabb scaled by 2^k about its centre),
+// as cascade_box_reference: centre -+ (hi - lo) * 0.5 * 2^(cascades - 1).
+__device__ __forceinline__ void cascade_box(const float* __restrict__ aabb, int cascades, float (&box)[6]) {
+  const float scale = ldexpf(1.0f, cascades - 1);
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    const float lo = __ldg(aabb + k), hi = __ldg(aabb + 3 + k);
+    const float centre = __fmul_rn(__fadd_rn(lo, hi), 0.5f);
+    const float half = __fmul_rn(__fmul_rn(__fsub_rn(hi, lo), 0.5f), scale);
+    box[k] = __fsub_rn(centre, half);
+    box[3 + k] = __fadd_rn(centre, half);
+  }
 }
 
 // Flat occupancy cell of point p, as OccupancyGrid.cell_index: ((p - lo) / (hi - lo) * r)
@@ -71,31 +85,69 @@ __device__ __forceinline__ u32 contracted_cell(const float (&p)[3], const float*
   return (u32)((ijk[0] * r + ijk[1]) * r + ijk[2]);
 }
 
-// One thread per ray. Box (CONTRACT = false): sample s (0 <= s < max_samples) sits at
+// Occupancy cascades (instant-ngp's aabb_scale = 2^(cascades - 1)), as occupancy_cell_reference:
+// u = (p - centre) / half, n = max |u_k|; the level is the smallest k < cascades with n <= 2^k (the
+// last past them all), u is scaled by 2^-level (exact), and the cell is that of (u + 1) / 2 in the
+// level's r^3 grid (truncated, clamped, NaN -> cell 0), after the level * r^3 cells of the levels inside.
+__device__ __forceinline__ u32 cascade_cell(const float (&p)[3], const float* __restrict__ aabb, int r, int cascades) {
+  float u[3];
+  float n = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    const float lo = __ldg(aabb + k), hi = __ldg(aabb + 3 + k);
+    const float centre = __fmul_rn(__fadd_rn(lo, hi), 0.5f), half = __fmul_rn(__fsub_rn(hi, lo), 0.5f);
+    u[k] = __fdiv_rn(__fsub_rn(p[k], centre), half);
+    n = fmaxf(n, fabsf(u[k]));
+  }
+  int level = 0;
+  for (int k = 0; k < cascades - 1; ++k) level += n > ldexpf(1.0f, k) ? 1 : 0;
+  const float scale = ldexpf(1.0f, -level);
+  long long ijk[3];
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    const float s = __fmul_rn(__fmul_rn(__fadd_rn(__fmul_rn(u[k], scale), 1.0f), 0.5f), (float)r);
+    long long c = (s != s) ? 0 : (long long)fmaxf(fminf(s, 1e18f), -1e18f);
+    ijk[k] = c < 0 ? 0 : (c > r - 1 ? r - 1 : c);
+  }
+  return (u32)((((long long)level * r + ijk[0]) * r + ijk[1]) * r + ijk[2]);
+}
+
+// How a ray is marched (march_rays' SPACE): inside the box, through the contracted scene, or through
+// occupancy cascades with steps growing with the distance.
+#define SPACE_BOX 0
+#define SPACE_CONTRACT 1
+#define SPACE_CASCADES 2
+
+// One thread per ray. SPACE_BOX: sample s (0 <= s < max_samples) sits at
 // t = tmin + (s + jitter) * dt and is kept when t < tmax and its occupancy cell is set (occ ==
-// nullptr: every cell). CONTRACT = true (march_steps_reference): linear steps t = near + (s +
+// nullptr: every cell). SPACE_CONTRACT (march_steps_reference): linear steps t = near + (s +
 // jitter) * dt up to T1 = max(box exit, the ray's point nearest the box centre, near + half the box
 // diagonal), then
 // steps uniform in disparity, t = 1 / (1/T1 - (k + jitter) * dd), dd = dt / T1^2, while 1/t >
 // far_ratio / T1; each sample's step length (dt, or dd t^2) goes to steps_out, and cells are those
-// of the contracted space. WRITE = false: counts[ray] = kept samples. WRITE = true: the kept samples
+// of the contracted space. SPACE_CASCADES: through the outermost cascade box (cascade_box), t_0 =
+// tmin + jitter * step(tmin), t_(s+1) = t_s + step(t_s) with step(t) = max(dt, cone * t) (instant-ngp's
+// cone tracing) while t < tmax; cells of the cascades (cascade_cell), each sample's step to steps_out.
+// WRITE = false: counts[ray] = kept samples. WRITE = true: the kept samples
 // of the ray go to offsets[ray] .. (ray index, t, point[, step]), those at or past `capacity` are
 // dropped, and counts[ray] becomes the number written (a fixed-size sample buffer, as a
 // CUDA-graph-captured training step needs).
-template <bool WRITE, bool CONTRACT>
+template <bool WRITE, int SPACE>
 __global__ void march_rays(const float* __restrict__ origins,     // [R, 3]
                            const float* __restrict__ dirs,        // [R, 3]
                            const float* __restrict__ jitter,      // [R]
                            const float* __restrict__ aabb,        // [6]: lo xyz, hi xyz
-                           const unsigned char* __restrict__ occ, // [r^3] bool, or nullptr
-                           int r, float dt, int max_samples, float near, float far_ratio, u32 R,
+                           const unsigned char* __restrict__ occ, // [r^3] bool ([cascades r^3]), or nullptr
+                           int r, float dt, int max_samples, float near, float far_ratio,
+                           int cascades, float cone, u32 R,
                            int* __restrict__ counts,              // [R]: out, or clamped (WRITE)
                            const long long* __restrict__ offsets, // [R] exclusive scan (WRITE = true)
                            long long capacity,                    // sample slots (WRITE = true)
                            long long* __restrict__ ray_index,     // [S_total]
                            float* __restrict__ t_out,             // [S_total]
                            float* __restrict__ points,            // [S_total, 3]
-                           float* __restrict__ steps_out) {       // [S_total] (CONTRACT and WRITE)
+                           float* __restrict__ steps_out) {       // [S_total] (not SPACE_BOX; WRITE)
+  constexpr bool CONTRACT = SPACE == SPACE_CONTRACT, CASCADES = SPACE == SPACE_CASCADES;
   const u32 ray = blockIdx.x * blockDim.x + threadIdx.x;
   if (ray >= R) return;
   float o[3], d[3];
@@ -104,8 +156,15 @@ __global__ void march_rays(const float* __restrict__ origins,     // [R, 3]
     o[k] = __ldg(origins + 3 * (u64)ray + k);
     d[k] = __ldg(dirs + 3 * (u64)ray + k);
   }
+  float box[6];
+  if (CASCADES) {
+    cascade_box(aabb, cascades, box);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 6; ++k) box[k] = __ldg(aabb + k);
+  }
   float tmin, tmax;
-  ray_box(o, d, aabb, near, tmin, tmax);
+  ray_box(o, d, box, near, tmin, tmax);
   const float j = __ldg(jitter + ray);
   const long long first = WRITE ? __ldg(offsets + ray) : 0;
   if (WRITE && first >= capacity) {  // no slot left for this ray
@@ -133,10 +192,16 @@ __global__ void march_rays(const float* __restrict__ origins,     // [R, 3]
   }
   long long out = first;
   int n = 0, n1 = -1;  // n1: the first step past the linear segment (CONTRACT)
+  float t_next = CASCADES ? __fadd_rn(tmin, __fmul_rn(j, fmaxf(dt, __fmul_rn(tmin, cone)))) : 0.0f;
   for (int s = 0; s < max_samples; ++s) {
     if (WRITE && out >= capacity) break;
     float t, step = dt;
-    if (!CONTRACT) {
+    if (CASCADES) {
+      t = t_next;
+      if (!(t < tmax)) break;  // t only grows
+      step = fmaxf(dt, __fmul_rn(t, cone));
+      t_next = __fadd_rn(t, step);
+    } else if (!CONTRACT) {
       t = __fadd_rn(tmin, __fmul_rn(__fadd_rn((float)s, j), dt));
       if (!(t < tmax)) break;  // t grows with s (rounding is monotone): the rest are out too
     } else {
@@ -152,7 +217,9 @@ __global__ void march_rays(const float* __restrict__ origins,     // [R, 3]
     float p[3];
 #pragma unroll
     for (int k = 0; k < 3; ++k) p[k] = __fadd_rn(o[k], __fmul_rn(t, d[k]));
-    if (occ != nullptr && !__ldg(occ + (CONTRACT ? contracted_cell(p, aabb, r) : occupancy_cell(p, aabb, r))))
+    if (occ != nullptr && !__ldg(occ + (CONTRACT   ? contracted_cell(p, aabb, r)
+                                        : CASCADES ? cascade_cell(p, aabb, r, cascades)
+                                                   : occupancy_cell(p, aabb, r))))
       continue;
     if (WRITE) {
       ray_index[out] = (long long)ray;
@@ -160,7 +227,7 @@ __global__ void march_rays(const float* __restrict__ origins,     // [R, 3]
       points[3 * out] = p[0];
       points[3 * out + 1] = p[1];
       points[3 * out + 2] = p[2];
-      if (CONTRACT) steps_out[out] = step;
+      if (SPACE != SPACE_BOX) steps_out[out] = step;
       ++out;
     }
     ++n;
@@ -183,8 +250,14 @@ __device__ __forceinline__ void sample_alpha(float sigma, float dt, float& alpha
 // 2 T1 - T1^2 / t past it: every march step is dt in u. This is mip-NeRF 360's normalised ray
 // distance (linear, then linear in disparity) in the box's units; in metric t the background's
 // far samples would dominate the sum and the loss would pull all weight in front of them.
-__device__ __forceinline__ double distortion_u(float t, float step, float dt, bool per_sample) {
+// Cascaded rays (cone = true) step max(dt, c t): u = t / q (1 + ln q) with q = max(1, step / dt) is t
+// while the step is dt and logarithmic in t past dt / c, again dt in u a step (distortion_coords).
+__device__ __forceinline__ double distortion_u(float t, float step, float dt, bool per_sample, bool cone) {
   if (!per_sample) return (double)t;
+  if (cone) {
+    const double q = fmax(1.0, (double)step / (double)dt);
+    return (double)t / q * (1.0 + log(q));
+  }
   const double r = fmin(1.0, sqrt((double)dt / (double)step));
   return (double)t * (2.0 * r - r * r);
 }
@@ -203,6 +276,7 @@ __global__ void composite_fwd(const float* __restrict__ sigma,      // [S_total]
                               const long long* __restrict__ offsets,// [R]
                               const int* __restrict__ counts,       // [R]
                               float dt, const float* __restrict__ steps,  // [S_total] or nullptr
+                              int cone,                             // steps of cascades (distortion_u)
                               u32 R,
                               float* __restrict__ color,            // [R, 3]
                               float* __restrict__ opacity,          // [R]
@@ -225,7 +299,7 @@ __global__ void composite_fwd(const float* __restrict__ sigma,      // [S_total]
     op += w;
     dp += w * ti;
     if (distortion != nullptr) {
-      const double wd = w, ud = distortion_u(ti, step, dt, steps != nullptr);
+      const double wd = w, ud = distortion_u(ti, step, dt, steps != nullptr, cone != 0);
       dist += 2.0 * wd * (ud * W - U) + wd * wd * (double)dt / 3.0;
       W += wd;
       U += wd * ud;
@@ -257,6 +331,7 @@ __global__ void composite_bwd(const float* __restrict__ sigma, const float* __re
                               const float* __restrict__ t, const long long* __restrict__ offsets,
                               const int* __restrict__ counts, float dt,
                               const float* __restrict__ steps,      // [S_total] or nullptr
+                              int cone,                             // steps of cascades (distortion_u)
                               u32 R,
                               const float* __restrict__ g_color,    // [R, 3]
                               const float* __restrict__ g_opacity,  // [R]
@@ -287,7 +362,7 @@ __global__ void composite_bwd(const float* __restrict__ sigma, const float* __re
     const float ti = __ldg(t + i);
     float q = gc0 * __ldg(rgb + 3 * i) + gc1 * __ldg(rgb + 3 * i + 1) + gc2 * __ldg(rgb + 3 * i + 2) + go + gd * ti;
     if (gdist != 0.0f) {
-      const double wd = w, ud = distortion_u(ti, step, dt, steps != nullptr);
+      const double wd = w, ud = distortion_u(ti, step, dt, steps != nullptr, cone != 0);
       q += gdist * (float)(2.0 * (2.0 * (ud * W - U) + U_all - ud * W_all) + 2.0 / 3.0 * wd * (double)dt);
       W += wd;
       U += wd * ud;

@@ -103,8 +103,15 @@ class NerfParams:
     # box into a shell around it (mip-NeRF 360's contraction, L-inf as in nerfstudio), so the hash grid
     # and the occupancy grid cover everything and rays march on past the box in steps uniform in
     # disparity (up to 3 x samples_per_ray steps). The box is then the cameras' and the sparse points'
-    # (nerf/method.py contraction_box). "none": the scene is the box.
-    scene_contraction: Literal["none", "mipnerf360"] = "none"
+    # (nerf/method.py contraction_box). "cascades": instant-ngp's way instead: the hash grid spans
+    # that box scaled by aabb_scale, the occupancy grid is a cascade of nested grids (box k: the box
+    # scaled by 2^k, each occ_resolution^3), and the march step grows with the distance, max(step,
+    # cone_angle * t). "none": the scene is the box.
+    scene_contraction: Literal["none", "mipnerf360", "cascades"] = "none"
+    # instant-ngp's aabb_scale (a power of two, 1..128; 16 is its advice for captures with a far
+    # background) and cone angle (1/256 there when aabb_scale > 1), for scene_contraction "cascades"
+    aabb_scale: int = 16
+    cone_angle: float = 1.0 / 256
     # A learned code of this many values per training image fed to the colour MLP (nerfacto's
     # appearance embedding, for captures whose exposure or white balance changes); views are rendered
     # with the mean code. 0 = off.
@@ -167,6 +174,12 @@ class NerfParams:
         check(self.distortion_loss >= 0, "distortion_loss", "must be >= 0 (0 = off)", self.distortion_loss)
         check(self.loss in ("mse", "huber"), "loss", "must be 'mse' or 'huber'", self.loss)
         check(self.huber_delta > 0, "huber_delta", "must be > 0", self.huber_delta)
+        check(self.scene_contraction in ("none", "mipnerf360", "cascades"), "scene_contraction",
+              "must be 'none', 'mipnerf360' or 'cascades'", self.scene_contraction)
+        check(isinstance(self.aabb_scale, int) and 1 <= self.aabb_scale <= 128
+              and self.aabb_scale & (self.aabb_scale - 1) == 0, "aabb_scale", "must be a power of two in 1..128",
+              self.aabb_scale)
+        check(0 <= self.cone_angle < 1, "cone_angle", "must be in [0, 1)", self.cone_angle)
         check(0 <= self.appearance_dim <= 256, "appearance_dim", "must be in 0..256", self.appearance_dim)
         for key in ("fused_render", "cuda_graph", "random_background", "alpha_box"):
             switch(self, key)

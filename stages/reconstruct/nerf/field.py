@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from kernels import HashGrid
-from kernels._reference import contract_reference
+from kernels._reference import cascade_box_reference, contract_reference
 
 from ..config import NerfParams
 
@@ -116,7 +116,8 @@ class NerfField(nn.Module):
     Args:
         cfg: the NeRF params.
         aabb: [2, 3] scene box; points outside it have zero density, unless ``scene_contraction``
-            maps the whole world into the encoding's cube (the box in its middle half per axis).
+            maps the whole world into the encoding's cube (the box in its middle half per axis), or
+            (``cascades``) the encoding spans the box scaled by ``aabb_scale`` about its centre.
         use_kernels: whether the hash encoding runs the CUDA kernel (None = when possible).
         num_images: training images, one appearance code each (``appearance_dim`` > 0).
     """
@@ -125,6 +126,9 @@ class NerfField(nn.Module):
         super().__init__()
         self.register_buffer("aabb", aabb.clone().float())
         self.contract = cfg.scene_contraction == "mipnerf360"
+        # occupancy cascades (instant-ngp's aabb_scale = 2^(cascades - 1)); 0: none
+        self.cascades = cfg.aabb_scale.bit_length() if cfg.scene_contraction == "cascades" else 0
+        self.cone = cfg.cone_angle if self.cascades else 0.0
         self.encoding = HashGrid(
             levels=cfg.levels,
             features_per_level=cfg.features_per_level,
@@ -172,10 +176,16 @@ class NerfField(nn.Module):
         with torch.autocast(x.device.type, dtype=self.half, cache_enabled=False):
             return net(x).float()
 
+    def encoded_box(self) -> torch.Tensor:
+        """[2, 3] the box the encoding spans: the scene box, or the cascades' outermost (from the live
+        ``aabb``, which a loaded model replaces)."""
+        return cascade_box_reference(self.aabb, self.cascades) if self.cascades else self.aabb
+
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         if self.contract:
             return contract_reference(x, self.aabb)
-        return (x - self.aabb[0]) / (self.aabb[1] - self.aabb[0])
+        box = self.encoded_box()
+        return (x - box[0]) / (box[1] - box[0])
 
     def density(self, x: torch.Tensor, return_feat: bool = False):
         """Density [N] (and geometry features [N, geo_feat_dim]) at world points [N, 3]."""

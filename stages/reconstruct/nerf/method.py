@@ -73,7 +73,8 @@ class NerfMethod:
         # views with alpha train on a random colour per ray behind them (instant-ngp): a fixed one lets
         # the field paint that colour into the box as floaters that cost nothing in the training views
         self.random_bg = alpha and cfg.random_background != "off"
-        self.grid = OccupancyGrid(aabb, cfg.occ_resolution, cfg.occ_threshold, contract=self.field.contract).to(device)
+        self.grid = OccupancyGrid(aabb, cfg.occ_resolution, cfg.occ_threshold, contract=self.field.contract,
+                                  cascades=self.field.cascades).to(device)
         self.step_diag = step_diag
         self._set_step()
         self._build_optimizers(params.steps, device)
@@ -86,11 +87,13 @@ class NerfMethod:
 
     def _set_step(self) -> None:
         """The march step (the box diagonal / samples_per_ray) and the steps a ray may take (3 times
-        as many with scene contraction: past the box, steps uniform in disparity)."""
+        as many with scene contraction, past the box steps uniform in disparity, and with cascades,
+        whose steps grow with the distance: with instant-ngp's cone 1/256 a ray crosses aabb_scale 16
+        in about 1000 of them)."""
         aabb = self.field.aabb.cpu()
         diag = self.step_diag if self.step_diag is not None else (aabb[1] - aabb[0]).norm().item()
         self.step_size = diag / self.cfg.samples_per_ray
-        self.max_steps = self.cfg.samples_per_ray * (3 if self.field.contract else 1)
+        self.max_steps = self.cfg.samples_per_ray * (3 if self.field.contract or self.field.cascades else 1)
 
     def _build_optimizers(self, steps: int, device: torch.device) -> None:
         """instant-ngp: Adam(0.9, 0.99, eps=1e-15), β2 ``adam_beta2``; weight decay on the MLPs only. One
@@ -455,6 +458,7 @@ def viewing_spread_deg(c2w: torch.Tensor) -> float:
 
 
 CONTRACTED_FINEST = 4096  # instant-ngp's 2048 over the box, which scene contraction maps to the grid's middle half
+BOX_FINEST = 2048  # instant-ngp's finest level over its unit cube; with cascades, times aabb_scale (its testbed)
 LOADED_FINEST = 2048  # auto without a scene (a model loaded to render): a stand-in until its state is loaded
 
 
@@ -462,9 +466,12 @@ def finest_resolution(cfg: NerfParams, scene, aabb: torch.Tensor) -> int:
     """``cfg.max_resolution``, or for ``auto`` one cell of the finest level per pixel footprint at the
     centre of the box ``aabb`` (the one the grid spans): its longest side over the median, across the
     training views, of the camera's distance to that centre / its focal length (pixels). Clamped to
-    [base_resolution, 8192]. With scene contraction :data:`CONTRACTED_FINEST`."""
+    [base_resolution, 8192]. With scene contraction :data:`CONTRACTED_FINEST`; with cascades
+    :data:`BOX_FINEST` times ``aabb_scale`` (the encoding spans the box scaled by it)."""
     if cfg.max_resolution != "auto":
         return int(cfg.max_resolution)
+    if cfg.scene_contraction == "cascades":
+        return BOX_FINEST * cfg.aabb_scale
     if cfg.scene_contraction != "none":
         return CONTRACTED_FINEST
     if scene is None:
@@ -480,7 +487,7 @@ def finest_resolution(cfg: NerfParams, scene, aabb: torch.Tensor) -> int:
 
 
 def contraction_box(scene, pad: float = 0.1) -> torch.Tensor:
-    """[2, 3] inner box for scene contraction: the bounding box of the training cameras and of the
+    """[2, 3] inner box for scene contraction (and the innermost cascade): the bounding box of the training cameras and of the
     middle 90 % of the sparse points (5th to 95th percentile per axis), padded by ``pad`` of its
     largest side. mip-NeRF 360 puts the cameras inside its inner region so that the space they look
     through stays uncontracted; the points reach the objects in front of forward-facing cameras."""

@@ -6,7 +6,9 @@ before the network runs, and the rest are alpha-composited front to back (Max 19
 Mildenhall et al. 2020, eq. 3) over the learned background colour. With scene contraction
 (``field.contract``) a ray does not stop at the box: past it the steps are uniform in disparity,
 out to ~1000 times the distance it took to cross the box, and each sample has its own step length
-(kernels/_reference.py march_steps_reference).
+(kernels/_reference.py march_steps_reference). With occupancy cascades (``field.cascades``,
+instant-ngp's ``aabb_scale``) a ray runs through the outermost cascade's box with a step that grows
+with the distance, ``max(step, cone t)``, each sample again with its own step length.
 
 Optionally each ray's distortion (mip-NeRF 360, Barron et al. 2022, eq. 15) comes back too:
 ``sum_ij w_i w_j |u_i - u_j| + 1/3 sum_i w_i^2 dt`` over its samples (u: their march coordinates,
@@ -80,8 +82,8 @@ def render_rays(
     if fused:
         return render_packed(field, grid, o, d, jitter, step_size, max_samples, near, background=background,
                              appearance=appearance, distortion=distortion, cull=cull)
-    if field.contract:  # linear, then uniform in disparity; each sample its own step
-        t, dt, valid = march_steps_reference(o, d, jitter, field.aabb, step_size, max_samples, near, True)
+    if field.contract or field.cascades:  # each sample its own step
+        t, dt, valid = _steps(field, o, d, jitter, step_size, max_samples, near)
     else:
         tmin, tmax = ray_aabb(o, d, field.aabb, near)
         steps = torch.arange(max_samples, device=dev, dtype=o.dtype)
@@ -110,7 +112,7 @@ def render_rays(
     depth = (w * t).sum(dim=1)
     out = {"rgb": color, "opacity": opacity, "depth": depth, "num_samples": torch.tensor(idx[0].numel())}
     if distortion:
-        u = distortion_coords(t, dt if field.contract else None, step_size)
+        u = distortion_coords(t, dt if field.contract or field.cascades else None, step_size, bool(field.cascades))
         out["distortion"] = distortion_reference(w, u, step_size)
     return out
 
@@ -138,9 +140,10 @@ def render_rays_early_stop(
     behind a surface. Same outputs as :func:`render_rays` up to the light that early stop leaves
     out (at most ``EARLY_STOP_T`` per ray) and float summation order."""
     R, dev, dt = o.shape[0], o.device, o.dtype
-    if field.contract:  # every step of every ray at once (linear, then in disparity); segments slice them
-        t_all, step_all, valid_all = march_steps_reference(o, d, torch.full((R,), 0.5, device=dev), field.aabb,
-                                                           step_size, max_samples, near, True)
+    per_sample = field.contract or field.cascades
+    if per_sample:  # every step of every ray at once (each its own length); segments slice them
+        t_all, step_all, valid_all = _steps(field, o, d, torch.full((R,), 0.5, device=dev), step_size,
+                                            max_samples, near)
         live = valid_all[:, 0].nonzero(as_tuple=True)[0]
     else:
         tmin, tmax = ray_aabb(o, d, field.aabb, near)
@@ -155,7 +158,7 @@ def render_rays_early_stop(
         if live.numel() == 0:
             break
         k1 = min(k0 + segment, max_samples)
-        if field.contract:
+        if per_sample:
             t, valid, step = t_all[live, k0:k1], valid_all[live, k0:k1], step_all[live, k0:k1]
         else:
             steps = torch.arange(k0, k1, device=dev, dtype=dt)
@@ -182,7 +185,7 @@ def render_rays_early_stop(
         opacity[live] += w.sum(dim=1)
         depth[live] += (w * t).sum(dim=1)
         trans[live] = trans[live] * keep[:, -1]
-        if field.contract:
+        if per_sample:
             more = valid_all[live, k1] if k1 < max_samples else torch.zeros_like(live, dtype=torch.bool)
         else:
             more = t[:, -1] + step_size < tmax[live]
@@ -223,7 +226,7 @@ def render_packed(field: NerfField, grid: OccupancyGrid | None, o: torch.Tensor,
         sigma, rgb = o.new_zeros(0), o.new_zeros(0, 3)
     color, opacity, depth, *dist = kernels.composite(sigma.float(), rgb.float(), s.t, s.offsets, s.counts,
                                                      step_size, steps=s.steps, distortion=distortion,
-                                                     use_kernels=use)
+                                                     cone=bool(field.cascades), use_kernels=use)
     bg = field.background_rgb() if background is None else background
     color = color + (1.0 - opacity)[:, None] * bg
     out = {"rgb": color, "opacity": opacity, "depth": depth}
@@ -263,7 +266,16 @@ def _march(field: NerfField, grid: OccupancyGrid | None, o: torch.Tensor, d: tor
     """The packed samples of rays ``o``, ``d`` through ``field``'s box and ``grid``'s occupied cells."""
     return kernels.march_rays(o.float().contiguous(), d.float().contiguous(), jitter, field.aabb,
                               None if grid is None else grid.mask, step_size, max_samples, near,
-                              capacity=capacity, contract=field.contract, use_kernels=field.encoding.use_kernels)
+                              capacity=capacity, contract=field.contract, cascades=field.cascades,
+                              cone=field.cone, use_kernels=field.encoding.use_kernels)
+
+
+def _steps(field: NerfField, o: torch.Tensor, d: torch.Tensor, jitter: torch.Tensor, step_size: float,
+           max_samples: int, near: float):
+    """(t, step, valid) [R, max_samples] of rays through a field whose samples each have their own step
+    (scene contraction or occupancy cascades): kernels/_reference.py march_steps_reference."""
+    return march_steps_reference(o, d, jitter, field.aabb, step_size, max_samples, near, field.contract,
+                                 field.cascades, field.cone)
 
 
 @torch.no_grad()
