@@ -140,7 +140,7 @@ def test_early_stop_renders_what_the_dense_renderer_does_with_fewer_samples():
     for density in (1.0, 40.0):  # a faint field (no ray stops) and an opaque one
 
         class Scaled(torch.nn.Module):  # the same field, `density` times as dense
-            aabb, contract = field.aabb, field.contract
+            aabb, contract, cascades, cone = field.aabb, field.contract, field.cascades, field.cone
 
             def forward(self, x, d_enc=None, **kw):
                 sigma, rgb = field(x, d_enc=d_enc, **kw)
