@@ -12,7 +12,7 @@
 
 #include "common.cuh"
 
-// Entry and exit distances of the ray with the box lo = aabb[0..2], hi = aabb[3..5], as
+// Entry and exit distances of the ray with the box lo = box[0..2], hi = box[3..5], as
 // stages/reconstruct/nerf/render.py ray_aabb: direction components below 1e-9 in magnitude are
 // replaced by +1e-9; entry clamped to >= near. Exit <= entry means a miss.
 __device__ __forceinline__ void ray_box(const float (&o)[3], const float (&d)[3], const float (&box)[6],
