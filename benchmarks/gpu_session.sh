@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues wait for, in priority order, for one device call at a time.
-#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. as, au .. az, ba .. br; default a; each about 10 min)
+#   bash benchmarks/gpu_session.sh <out> [part]     (part: a .. z, aa .. as, au .. az, ba .. bs; default a; each about 10 min)
 # 2026-12-06: ad, ae, af ran (one warm H100), then fern at 30k alone (the README's issue-16 table).
 # 2026-12-06 session 2: ag (the SH pair's GPU tests passed; NeRF levers), ai, aj, ak, al ran (one warm H100).
 # 2026-12-06 session 3: am (supersample: GPU tests passed, lost on lego, reverted again) and an ran (one warm H100).
@@ -20,7 +20,7 @@
 # bh's first nerfacc arm was invalid, see bi). Next: bi, bj (where our pipeline loses to the peer's), then bf.
 # Session 10 ran bi (the MLPs' weight decay was the loss: off since) and left bj. Next: bk, bl (retuning without it).
 # Session 11 ran bk, bl, bm (one H100 lease; bf16 MLPs took lego past 35.7 dB at 60 s) and the peer pair. Next: bn, bo.
-# Session 12: bp, bq (occupancy cascades against contraction on fox and fern), or br (fox only, one call).
+# Session 12: bp, bq (occupancy cascades against contraction on fox and fern), or br (fox only, one call); br ran (one H100), then bs.
 # Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
 # on fox; lego 3DGS at 30k beside gsplat); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
 # earlier parts are the commands the results JSONs cite.
@@ -705,14 +705,17 @@ bn|bo)
     nq fox_tf32 230 --poses fox=$D/fox --budgets 30,60,120
   fi
   ;;
-bp|bq|br)
+bp|bq|br|bs)
   # issue 17, deliverable 3 (written 2026-12-07, session 12): instant-ngp's occupancy cascades (aabb_scale 16,
   # cone 1/256) against mip-NeRF 360's contraction, each arm the contracted profile with only
   # scene_contraction changed, on one machine. bp: the GPU tests (the cascades' kernels among them, the rays
   # under TF32), then fox and fern with cascades; bq: fox and fern with contraction (the profile), the arm to
   # compare with (and fox and fern on the exact rays). Carry .gpu/data/fox, .gpu/data/fern and .whl
   C="--budgets 30,60,120 --set nerf.scene_contraction=cascades"
-  if [ "$PART" = br ]; then  # all of it in one call, when one is all there is: fox both ways, then the tests
+  if [ "$PART" = bs ]; then  # fern both ways, to 60 s (what was left of the lease after br)
+    nq fern_cascades 100 --poses fern=$D/fern $C --budgets 30,60
+    nq fern_contract 100 --poses fern=$D/fern --budgets 30,60
+  elif [ "$PART" = br ]; then  # all of it in one call, when one is all there is: fox both ways, then the tests
     nq fox_cascades 220 --poses fox=$D/fox $C
     nq fox_contract 220 --poses fox=$D/fox --budgets 30,60,120
     step gpu_tests 120 python3 -m pytest -q -m gpu tests
@@ -726,6 +729,6 @@ bp|bq|br)
     nq fox_cascades_s4 150 --poses fox=$D/fox $C --budgets 30,60 --set nerf.aabb_scale=4
   fi
   ;;
-*) echo "gpu_session: part must be one of a-z, aa-as, au-az, ba-br" >&2; exit 2 ;;
+*) echo "gpu_session: part must be one of a-z, aa-as, au-az, ba-bs" >&2; exit 2 ;;
 esac
 echo "== done"
