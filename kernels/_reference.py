@@ -158,7 +158,8 @@ def cascade_box_reference(aabb: torch.Tensor, cascades: int) -> torch.Tensor:
     return torch.stack([centre - half, centre + half])
 
 
-def cascade_level_reference(points: torch.Tensor, aabb: torch.Tensor, cascades: int) -> tuple[torch.Tensor, torch.Tensor]:
+def cascade_level_reference(points: torch.Tensor, aabb: torch.Tensor,
+                            cascades: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(level [N] int64, u [N, 3]) of points [N, 3] among ``cascades`` nested boxes around ``aabb``
     (:func:`cascade_box_reference`): the smallest box k that holds the point (points outside every
     box: the last), and the point's coordinates in that box, [-1, 1] per axis inside it. Only

@@ -176,7 +176,13 @@ def test_a_cascaded_nerf_trains_and_its_model_renders_back(tmp_path):
     method = NerfMethod(params, AABB, torch.device("cpu"))
     assert method.field.cascades == CASCADES
     assert method.grid.mask.numel() == CASCADES * params.nerf.occ_resolution**3
-    assert method.max_steps == 3 * 64
+    # a ray from a corner of the box to the far corner of the outermost one ends inside its steps
+    corner = AABB[0][None]
+    outer = cascade_box_reference(AABB, CASCADES)
+    d = torch.nn.functional.normalize(outer[1] - corner, dim=-1)
+    t, step, valid = march_steps_reference(corner, d, torch.zeros(1), AABB, method.step_size, method.max_steps,
+                                           0.0, cascades=CASCADES, cone=CONE)
+    assert bool(valid[0, -1]) is False and float(t[0, valid[0]][-1]) > 0.99 * float((outer[1] - corner).norm())
     o, d = _rays(64, 8)
     before = method.render_rays(o, d)
     state = method.state_dict()

@@ -87,13 +87,15 @@ class NerfMethod:
 
     def _set_step(self) -> None:
         """The march step (the box diagonal / samples_per_ray) and the steps a ray may take (3 times
-        as many with scene contraction, past the box steps uniform in disparity, and with cascades,
-        whose steps grow with the distance: with instant-ngp's cone 1/256 a ray crosses aabb_scale 16
-        in about 1000 of them)."""
+        as many with scene contraction, past the box steps uniform in disparity; with cascades as many
+        as it takes to cross the outermost box, :func:`cone_steps`)."""
         aabb = self.field.aabb.cpu()
         diag = self.step_diag if self.step_diag is not None else (aabb[1] - aabb[0]).norm().item()
         self.step_size = diag / self.cfg.samples_per_ray
-        self.max_steps = self.cfg.samples_per_ray * (3 if self.field.contract or self.field.cascades else 1)
+        self.max_steps = self.cfg.samples_per_ray * (3 if self.field.contract else 1)
+        if self.field.cascades:
+            reach = diag * 2 ** (self.field.cascades - 1)  # the outermost box's diagonal
+            self.max_steps = cone_steps(self.step_size, self.field.cone, reach)
 
     def _build_optimizers(self, steps: int, device: torch.device) -> None:
         """instant-ngp: Adam(0.9, 0.99, eps=1e-15), β2 ``adam_beta2``; weight decay on the MLPs only. One
@@ -486,10 +488,19 @@ def finest_resolution(cfg: NerfParams, scene, aabb: torch.Tensor) -> int:
     return int(min(max(round(cells), cfg.base_resolution), 8192))
 
 
+def cone_steps(dt: float, cone: float, reach: float) -> int:
+    """How many steps ``max(dt, cone t)`` (the cascades' march) take a ray from t = 0 to ``reach``: ``dt``
+    up to ``T = dt / cone``, then each step ``1 + cone`` times the last's t; one more for the jitter.
+    With instant-ngp's cone 1/256, 512 steps across the box and aabb_scale 16: 1146."""
+    if cone <= 0 or reach <= dt / cone:
+        return math.ceil(reach / dt) + 1
+    return math.ceil(1.0 / cone) + math.ceil(math.log(reach * cone / dt) / math.log1p(cone)) + 1
+
+
 def contraction_box(scene, pad: float = 0.1) -> torch.Tensor:
-    """[2, 3] inner box for scene contraction (and the innermost cascade): the bounding box of the training cameras and of the
-    middle 90 % of the sparse points (5th to 95th percentile per axis), padded by ``pad`` of its
-    largest side. mip-NeRF 360 puts the cameras inside its inner region so that the space they look
+    """[2, 3] inner box for scene contraction (and the innermost cascade): the bounding box of the
+    training cameras and of the middle 90 % of the sparse points (5th to 95th percentile per axis),
+    padded by ``pad`` of its largest side. mip-NeRF 360 puts the cameras inside its inner region so that the space they look
     through stays uncontracted; the points reach the objects in front of forward-facing cameras."""
     centres = scene.train.c2w[:, :3, 3].double()
     lo, hi = centres.min(0).values, centres.max(0).values
