@@ -20,7 +20,8 @@
 # bh's first nerfacc arm was invalid, see bi). Next: bi, bj (where our pipeline loses to the peer's), then bf.
 # Session 10 ran bi (the MLPs' weight decay was the loss: off since) and left bj. Next: bk, bl (retuning without it).
 # Session 11 ran bk, bl, bm (one H100 lease; bf16 MLPs took lego past 35.7 dB at 60 s) and the peer pair. Next: bn, bo.
-# Session 12: bp, bq (occupancy cascades against contraction on fox and fern), or br (fox only, one call); br ran (one H100), then bs.
+# Session 12: bp, bq (occupancy cascades against contraction on fox and fern), or br (fox only, one call).
+# br and bs ran (one H100 lease; contraction won on both scenes). Not run: bn, bo, bq.
 # Order for the session of 2026-12-05 evening: t (a 3DGS profile beside gsplat's; Huber on lego), p (culling
 # on fox; lego 3DGS at 30k beside gsplat); x and y ran 2026-12-05, q-s 2026-12-04, m-o 2026-12-03/04; the
 # earlier parts are the commands the results JSONs cite.
