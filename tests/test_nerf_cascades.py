@@ -199,7 +199,7 @@ def test_a_cascaded_nerf_trains_and_its_model_renders_back(tmp_path):
 def host_march(tmp_path_factory):
     if CXX is None:
         pytest.skip("needs a host C++ compiler (g++ or clang++)")
-    names = [n for n in kernels.render._NAMES if n.startswith("march_rays")] + ["composite_fwd", "composite_bwd"]
+    names = [n for n in kernels.render._NAMES if n.startswith("march_rays")]  # compositing: test_render_kernels_on_host
     return HostProgram(kernels.render.program(), tmp_path_factory.mktemp("host_march"), names)
 
 
@@ -228,14 +228,6 @@ def test_host_built_march_kernel_keeps_exactly_the_reference_samples(host_march,
     cells = max(1, space.get("cascades", 0)) * 16**3
     occ = torch.rand(cells, generator=torch.Generator().manual_seed(11)) < 0.7
     _march_both(o, d, jitter, occ, capacity, space)
-
-
-def test_host_built_composite_with_cascade_steps_matches_the_twin(host_march, monkeypatch):
-    from test_render_kernels import composite_kernel_matches_the_twin
-
-    monkeypatch.setattr(kernels.render, "program", lambda: host_march)
-    monkeypatch.setattr(kernels.render, "_use_kernels", lambda device, use: use is not False)
-    composite_kernel_matches_the_twin("cpu", True, True, n_rays=400, cone=True)
 
 
 # ---------------------------------------------------------------------------- GPU: kernels vs references
