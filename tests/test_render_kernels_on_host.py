@@ -1,9 +1,10 @@
 """The NeRF's compositing kernels (csrc/render.cu: composite_fwd, composite_bwd, with and without
 the distortion term; one step for all samples, or the per-sample steps of contracted or cascaded
-rays), built for the host CPU (tests/_host_cuda.py) and run through ``kernels.composite``'s CUDA path on CPU tensors, against ``composite_reference``: the GPU test's own
-body (tests/test_render_kernels.py) with its inputs and tolerances. One thread per ray and no
-shared memory, so the host build runs them as the GPU does, up to the GPU's own arithmetic
-(``expf``, FMA contraction), which the marked GPU test covers."""
+rays), built for the host CPU (tests/_host_cuda.py) and run through ``kernels.composite``'s CUDA path
+on CPU tensors, against ``composite_reference``: the GPU test's own body (tests/test_render_kernels.py)
+with its inputs and tolerances. One thread per ray and no shared memory, so the host build runs them as
+the GPU does, up to the GPU's own arithmetic (``expf``, FMA contraction), which the marked GPU test
+covers."""
 
 from __future__ import annotations
 
